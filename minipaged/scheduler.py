@@ -1,0 +1,245 @@
+"""Continuous batching: which sequences run this step, and how many new tokens each.
+
+Owns the waiting and running queues, admission, preemption and rejection. It moves
+``num_computed_tokens`` and block tables; it never runs the model or samples.
+
+The one rule (vLLM V1): each step every scheduled sequence catches up
+``num_computed_tokens`` towards ``num_tokens``, within a token budget. A fresh prompt
+catches up many tokens (prefill), a running one catches up the single token it sampled
+last step (decode), a long prompt over several steps (chunked prefill), and a preempted
+one from zero (recompute). There is no separate code path for any of them.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_allocator import BlockAllocator
+from .block_table import BlockTable
+from .sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens whose KV this step computes
+    start: int  # num_computed_tokens before the step: positions start .. start + num_new_tokens - 1
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the sequence, so its last logits give a new token."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS continuous batching over a paged KV pool.
+
+    - running sequences are served first, oldest first;
+    - waiting ones are admitted in order while the token budget, ``max_num_seqs`` and free
+      blocks allow (no skipping ahead: the head of the queue cannot starve);
+    - when a running sequence needs a block and none is free, the most recently admitted
+      running sequence is preempted: its blocks are freed, ``num_computed_tokens`` reset to
+      0, and it goes back to the front of the waiting queue to be recomputed later;
+    - a request that could not fit even in an empty pool is rejected at once.
+    """
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_table_cls: type = BlockTable,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        max_model_len: int | None = None,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.allocator = allocator
+        self.block_table_cls = block_table_cls
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.num_preemptions = 0
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, seq: Sequence) -> bool:
+        """Queue ``seq``; return False (and mark it REJECTED with a reason) if it can never run."""
+        reason = self._why_never_fits(seq)
+        if reason is not None:
+            seq.status = SequenceStatus.REJECTED
+            seq.finish_reason = FinishReason.REJECTED
+            seq.reject_reason = reason
+            return False
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        return True
+
+    def _why_never_fits(self, seq: Sequence) -> str | None:
+        bs, pool = self.allocator.block_size, self.allocator.num_blocks
+        if seq.num_prompt_tokens == 0:
+            return "the prompt is empty: give at least one token"
+        if seq.max_tokens < 1:
+            return f"max_tokens must be >= 1, got {seq.max_tokens}"
+        if self.max_model_len is not None and seq.num_prompt_tokens >= self.max_model_len:
+            return (
+                f"the prompt has {seq.num_prompt_tokens} tokens but the model's context is {self.max_model_len}: "
+                "shorten the prompt"
+            )
+        total = seq.max_total_tokens
+        if self.max_model_len is not None:
+            total = min(total, self.max_model_len)
+        need = -(-total // bs)
+        if need > pool:
+            return (
+                f"needs {need} KV blocks (prompt {seq.num_prompt_tokens} + max_tokens {seq.max_tokens}, "
+                f"block size {bs}) but the whole pool has {pool}: lower max_tokens or give the engine a larger KV budget"
+            )
+        if not self.enable_chunked_prefill and seq.num_tokens > self.max_num_batched_tokens:
+            return (
+                f"the prompt has {seq.num_tokens} tokens, more than max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}, and chunked prefill is off: turn it on or raise the budget"
+            )
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running sequences first, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            table = seq.block_table
+            while table.blocks_needed(n) > self.allocator.num_free_blocks:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: everyone after it is gone too
+            table.append_tokens(n)
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            budget -= n
+            i += 1
+
+        # 2. Admit waiting sequences in arrival order (not in a step that had to preempt:
+        #    memory is short, and admitting now would only preempt again).
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if not self.enable_chunked_prefill and remaining > budget:
+                break
+            n = min(remaining, budget)
+            table = self.block_table_cls(self.allocator)
+            if table.blocks_needed(n) > self.allocator.num_free_blocks:
+                break
+            table.append_tokens(n)
+            self.waiting.popleft()
+            seq.block_table = table
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            budget -= n
+
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict) -> list[Sequence]:
+        """Apply a step's results: move ``num_computed_tokens``, append sampled tokens, finish.
+
+        ``sampled`` maps seq_id -> token id for every scheduled sequence whose ``samples`` is
+        True. Returns the sequences that finished in this step (their blocks are already free).
+        """
+        finished = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished or aborted while the step ran
+            samples = s.samples
+            seq.num_computed_tokens += s.num_new_tokens
+            if not samples:
+                continue
+            if seq.seq_id not in sampled:
+                raise KeyError(f"no sampled token for sequence {seq.seq_id!r}, which finished its prefill this step")
+            seq.append_token(sampled[seq.seq_id])
+            if seq.finish_reason is None and self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = FinishReason.LENGTH
+            if seq.finish_reason is not None:
+                self.finish(seq, seq.finish_reason)
+                finished.append(seq)
+        return finished
+
+    # -- state changes ---------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.block_table.free()
+        seq.block_table = None
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: FinishReason = FinishReason.STOP) -> None:
+        """End ``seq`` now (stop string, abort, ...) and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table is not None:
+            seq.block_table.free()
+            seq.block_table = None
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, seq_id) -> Sequence | None:
+        for seq in list(self.running) + list(self.waiting):
+            if seq.seq_id == seq_id:
+                self.finish(seq, FinishReason.ABORT)
+                return seq
+        return None
+
+    # -- checks ----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        self.allocator.check_invariants()
+        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs={self.max_num_seqs}"
+        refs: dict[int, int] = {}
+        for seq in self.running:
+            assert seq.status is SequenceStatus.RUNNING, f"{seq} is in the running queue"
+            assert seq.block_table is not None, f"running {seq} has no block table"
+            seq.block_table.check_invariants()
+            assert seq.block_table.num_tokens >= seq.num_computed_tokens, f"{seq}: KV computed past its block table"
+            for b in seq.block_table.blocks:
+                refs[b] = refs.get(b, 0) + 1
+        for seq in self.waiting:
+            assert seq.status is SequenceStatus.WAITING, f"{seq} is in the waiting queue"
+            assert seq.block_table is None, f"waiting {seq} still holds blocks {seq.block_table}"
+        ids = [s.seq_id for s in self.running] + [s.seq_id for s in self.waiting]
+        assert len(ids) == len(set(ids)), "a sequence is queued twice"
+        for b in range(self.allocator.num_blocks):
+            assert self.allocator.ref_counts[b] == refs.get(b, 0), (
+                f"block {b}: allocator ref count {self.allocator.ref_counts[b]} but {refs.get(b, 0)} running "
+                "block table(s) hold it (leaked or over-freed)"
+            )
