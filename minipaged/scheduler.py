@@ -110,10 +110,14 @@ class Scheduler:
                 f"needs {need} KV blocks (prompt {seq.num_prompt_tokens} + max_tokens {seq.max_tokens}, "
                 f"block size {bs}) but the whole pool has {pool}: lower max_tokens or give the engine a larger KV budget"
             )
-        if not self.enable_chunked_prefill and seq.num_tokens > self.max_num_batched_tokens:
+        # Without chunking, a preempted request is recomputed (prompt and output so far) in one
+        # step, so the largest it can grow to must fit the budget, or it would wait forever.
+        if not self.enable_chunked_prefill and total > self.max_num_batched_tokens:
             return (
-                f"the prompt has {seq.num_tokens} tokens, more than max_num_batched_tokens="
-                f"{self.max_num_batched_tokens}, and chunked prefill is off: turn it on or raise the budget"
+                f"with chunked prefill off, a preempted request is recomputed in one step: up to {total} tokens "
+                f"(prompt {seq.num_prompt_tokens} + max_tokens {seq.max_tokens} - 1), more than "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}: turn chunked prefill on, raise the budget "
+                "or lower max_tokens"
             )
         return None
 

@@ -42,28 +42,60 @@ def paged_attention(
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
     ctx = context_lens.tolist()
+    q_lens = [qsl[s + 1] - qsl[s] for s in range(len(ctx))]
+    # Decode rows (one query each) are done together; it is the same maths, batched.
+    decode = [s for s, n in enumerate(q_lens) if n == 1]
+    if decode:
+        idx = torch.tensor(decode, dtype=torch.long, device=q.device)
+        rows = query_start_loc[:-1].long()[idx]
+        out[rows] = _decode_batched(q[rows], k_cache, v_cache, block_tables[idx], context_lens[idx], scale).to(out.dtype)
     for s in range(len(ctx)):
         q0, q1 = qsl[s], qsl[s + 1]
         q_len, c_len = q1 - q0, ctx[s]
-        if q_len == 0:
+        if q_len <= 1:
             continue
         if q_len > c_len:
             raise ValueError(f"sequence {s}: {q_len} new tokens but context_len is only {c_len}")
         k = gather_kv(k_cache, block_tables[s], c_len).float()  # (C, H_kv, D)
         v = gather_kv(v_cache, block_tables[s], c_len).float()
-        # GQA: query head h reads KV head h // group.
-        k = k.repeat_interleave(group, dim=1)  # (C, H, D)
-        v = v.repeat_interleave(group, dim=1)
-        qs = q[q0:q1].float()  # (Q, H, D)
-        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale  # (H, Q, C)
-        q_pos = torch.arange(c_len - q_len, c_len).unsqueeze(1)  # (Q, 1)
-        k_pos = torch.arange(c_len).unsqueeze(0)  # (1, C)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # fp32 softmax, max-subtracted inside
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+        out[q0:q1] = _attend(q[q0:q1].float(), k, v, scale, c_len - q_len).to(out.dtype)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, first_pos: int) -> torch.Tensor:
+    """q: (Q, H, D) at positions first_pos..first_pos+Q-1; k, v: (C, H_kv, D). Returns (Q, H, D)."""
+    Q, H, D = q.shape
+    C, H_kv, _ = k.shape
+    qg = q.view(Q, H_kv, H // H_kv, D)  # GQA: query head h reads KV head h // group
+    scores = torch.einsum("qhgd,khd->hgqk", qg, k) * scale  # (H_kv, G, Q, C)
+    q_pos = torch.arange(first_pos, first_pos + Q, device=q.device).unsqueeze(1)  # (Q, 1)
+    k_pos = torch.arange(C, device=q.device).unsqueeze(0)  # (1, C)
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))  # causal: no peeking at later tokens
+    probs = torch.softmax(scores, dim=-1)  # fp32, max-subtracted inside
+    return torch.einsum("hgqk,khd->qhgd", probs, v).reshape(Q, H, D)
+
+
+def _decode_batched(
+    q: torch.Tensor,  # (S, H, D): one query per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (S, max_blocks)
+    context_lens: torch.Tensor,  # (S,)
+    scale: float,
+) -> torch.Tensor:
+    S, H, D = q.shape
+    block_size, H_kv = k_cache.shape[1], k_cache.shape[2]
+    n_blocks = -(-int(context_lens.max()) // block_size)
+    bt = block_tables[:, :n_blocks].long()
+    k = k_cache[bt].reshape(S, n_blocks * block_size, H_kv, D).float()  # (S, C, H_kv, D), padded
+    v = v_cache[bt].reshape(S, n_blocks * block_size, H_kv, D).float()
+    qg = q.float().view(S, H_kv, H // H_kv, D)
+    scores = torch.einsum("shgd,schd->shgc", qg, k) * scale  # (S, H_kv, G, C)
+    pad = torch.arange(n_blocks * block_size, device=q.device)[None, :] >= context_lens[:, None].long()  # (S, C)
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))  # slots past the context are not tokens
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("shgc,schd->shgd", probs, v).reshape(S, H, D)

@@ -1,0 +1,243 @@
+"""What every check shares: the failure types, the time limit, and calling a learner's code.
+
+Owns how a learner's exception, stub or endless loop becomes a message they can act on.
+The per-workbook modules (block_allocator.py, ...) own what is compared and the hints.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class CheckFailed(AssertionError):
+    """Your code disagreed with the reference. The message says what was done, what was
+    expected, what came, and where to look. nbval marks the cell that raised it."""
+
+
+class NotImplementedYet(CheckFailed):
+    """A stub still raises NotImplementedError: the message names the function."""
+
+
+class CheckTimeout(CheckFailed):
+    """Your code ran past the check's time limit (an endless loop, most likely)."""
+
+
+class _Deadline(BaseException):
+    # A BaseException so that a learner's `except Exception:` cannot swallow the time limit.
+    pass
+
+
+# -- time limit -------------------------------------------------------------------------------
+@contextmanager
+def _alarm(seconds: float) -> Iterator[None]:
+    def on_alarm(signum, frame):  # noqa: ARG001
+        raise _Deadline()
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_with_time_limit(fn: Callable[[], Any], seconds: float, name: str, where: Callable[[], str]) -> Any:
+    """Run ``fn()``; after ``seconds`` stop it and raise CheckTimeout naming ``where()``.
+
+    On Unix's main thread (Jupyter, Colab, pytest) a SIGALRM interrupts the learner's loop
+    itself. Elsewhere (Windows, a worker thread) the check runs in a daemon thread that we
+    stop waiting for; its loop keeps running until the kernel restarts, and the message says so.
+    """
+    started = time.monotonic()
+
+    def timeout_error(stopped: bool) -> CheckTimeout:
+        tail = "" if stopped else (
+            "\nYour loop may still be running in the background: restart the kernel (Kernel > Restart) before running again."
+        )
+        return CheckTimeout(
+            f"{name}: stopped after {seconds:.0f} s (the check's time limit); the reference needs well under a second.\n"
+            f"It was running: {where()}\n"
+            "Hint: look for a loop that never ends: a `while` whose condition never changes, or a loop "
+            "that never moves its index or pointer forward." + tail
+        )
+
+    use_alarm = (
+        hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+        and os.environ.get("MINIPAGED_CHECK_NO_ALARM") != "1"
+        and signal.getitimer(signal.ITIMER_REAL)[0] == 0  # someone else's alarm is running: leave it be
+    )
+    if use_alarm:
+        try:
+            with _alarm(seconds):
+                return fn()
+        except _Deadline:
+            raise timeout_error(stopped=True) from None
+
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller's thread
+            box["error"] = e
+
+    worker = threading.Thread(target=target, daemon=True, name=f"minipaged-check-{name}")
+    worker.start()
+    worker.join(max(0.0, seconds - (time.monotonic() - started)))
+    if worker.is_alive():
+        raise timeout_error(stopped=False)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+# -- calling a learner's code -----------------------------------------------------------------
+_CHECKS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _learner_frames(tb) -> list[traceback.FrameSummary]:
+    frames = traceback.extract_tb(tb)
+    return [f for f in frames if not os.path.abspath(f.filename).startswith(_CHECKS_DIR)]
+
+
+def _qualname(tb) -> str:
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    if last is None:
+        return "?"
+    code = last.tb_frame.f_code
+    return getattr(code, "co_qualname", code.co_name)
+
+
+def not_implemented(function: str, where: str = "") -> NotImplementedYet:
+    place = f" (in {where})" if where else ""
+    return NotImplementedYet(
+        f"not implemented yet: {function}{place}. It still raises NotImplementedError.\n"
+        "Replace `# YOUR CODE HERE` and `raise NotImplementedError()` in its cell with your code, "
+        "run that cell (Shift+Enter), then run this check again."
+    )
+
+
+def describe_exception(e: BaseException) -> str:
+    """'TypeError: ... (at cell line N: `code`)' with the last frame that is not the checker's."""
+    frames = _learner_frames(e.__traceback__)
+    loc = ""
+    if frames:
+        f = frames[-1]
+        code = f" `{f.line.strip()}`" if f.line else ""
+        loc = f"\n    raised in {f.name}(), line {f.lineno}:{code}"
+    msg = str(e).strip() or "(no message)"
+    return f"{type(e).__name__}: {msg}{loc}"
+
+
+def learner_call(fn: Callable, *args, what: str, context: Callable[[], str] = lambda: "", **kwargs):
+    """Call the learner's ``fn``; a stub becomes NotImplementedYet, any other crash CheckFailed.
+
+    ``what`` is the call as the learner would type it (``a.allocate()``); ``context`` gives the
+    story so far for the message.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except CheckFailed:
+        raise
+    except NotImplementedError as e:
+        raise not_implemented(_qualname(e.__traceback__)) from None
+    except _Deadline:
+        raise
+    except Exception as e:
+        ctx = context()
+        raise CheckFailed(
+            f"{what} crashed with {describe_exception(e)}\n"
+            + (f"\n{ctx}\n" if ctx else "")
+            + "\nThe reference does not raise here. Read the error above, fix that line, re-run its cell and this check."
+        ) from e
+
+
+def passed(line: str) -> None:
+    print(f"\u2714 {line}")
+
+
+def skipped(line: str) -> None:
+    print(f"SKIPPED: {line}")
+
+
+def fmt_list(xs, limit: int = 24) -> str:
+    xs = list(xs)
+    if len(xs) <= limit:
+        return "[" + ", ".join(str(x) for x in xs) + "]"
+    return "[" + ", ".join(str(x) for x in xs[:limit]) + f", ... ({len(xs)} in all)]"
+
+
+def table(rows: list[list[str]], indent: str = "    ") -> str:
+    """Rows of cells as aligned text; the first column left-aligned, the rest right-aligned."""
+    widths = [max(len(r[i]) if i < len(r) else 0 for r in rows) for i in range(max(len(r) for r in rows))]
+    out = []
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(widths[i + 1]) for i, c in enumerate(r[1:])]
+        out.append(indent + "  ".join(cells).rstrip())
+    return "\n".join(out)
+
+
+class Log:
+    """The operations done so far, written as code a learner can paste into a cell to replay."""
+
+    def __init__(self, header: list[str] | None = None, keep: int = 14) -> None:
+        self.header = list(header or [])
+        self.lines: list[str] = []
+        self.keep = keep
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+
+    def render(self, title: str = "What was done (paste into a cell to replay it):") -> str:
+        lines = self.lines
+        body = list(self.header)
+        if len(lines) > self.keep:
+            body.append(f"# ... {len(lines) - self.keep} earlier operations (same pattern) left out; the full list: see below")
+            shown = lines[-self.keep:]
+        else:
+            shown = lines
+        body += shown
+        return title + "\n" + "\n".join("    " + ln for ln in body)
+
+    def full(self) -> str:
+        return "\n".join(self.header + self.lines)
+
+
+def failure(title: str, *, done: str = "", expected: str = "", got: str = "", picture: str = "", hint: str = "") -> CheckFailed:
+    parts = [title]
+    if done:
+        parts.append(done)
+    if expected:
+        parts.append("Expected: " + expected)
+    if got:
+        parts.append("Got:      " + got)
+    if picture:
+        parts.append(picture)
+    if hint:
+        parts.append("Hint: " + hint)
+    return CheckFailed("\n\n".join(p.rstrip() for p in parts if p))
+
+
+def is_stub(fn: Any) -> bool:
+    """True if ``fn``'s source still holds the generated `raise NotImplementedError()` line."""
+    import inspect
+
+    target = getattr(fn, "fn", fn)  # a @triton.jit kernel keeps the Python function in .fn
+    try:
+        src = inspect.getsource(target)
+    except (OSError, TypeError):
+        return False
+    return "raise NotImplementedError" in src

@@ -1,0 +1,134 @@
+"""The command line: ``minipaged demo | bench | grade | info``."""
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+import time
+
+DEMO_PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "Give me three tips for learning to cook.",
+    "Explain what a CPU cache is to a ten-year-old.",
+    "What is 12 times 7?",
+    "Name three planets in our solar system.",
+    "Suggest a name for a friendly robot.",
+    "Why is the sky blue? Keep it short.",
+    "Translate 'good morning' into Spanish and German.",
+    "What should I pack for a weekend hiking trip?",
+]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from .engine import LLM
+    from .sampling import SamplingParams
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print("minipaged demo: one engine, many chat requests at once, on a paged KV cache.\n")
+    print("loading the model ...", flush=True)
+    t = time.perf_counter()
+    llm = LLM(args.model, block_size=args.block_size, attention=args.attention, max_num_seqs=args.max_num_seqs)
+    cfg = llm.engine.model.config
+    print(
+        f"loaded {cfg.name} in {time.perf_counter() - t:.1f} s: {cfg.num_layers} layers, {cfg.num_heads} heads "
+        f"({cfg.num_kv_heads} KV heads), vocab {cfg.vocab_size}; attention backend: {llm.engine.backend.name}"
+    )
+    eng = llm.engine
+    print(
+        f"KV cache: {eng.allocator.num_blocks} blocks x {eng.block_size} tokens = {eng.kv_cache.nbytes / 2**20:.0f} MiB "
+        f"({eng.kv_bytes_per_token} bytes per token)\n"
+    )
+    prompts = [[{"role": "user", "content": p}] for p in DEMO_PROMPTS[: args.num_prompts]]
+    if args.num_prompts > len(DEMO_PROMPTS):
+        prompts += [[{"role": "user", "content": f"Tell me a fact about the number {i}."}] for i in range(args.num_prompts - len(prompts))]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    wall = time.perf_counter() - t
+    for msgs, o in zip(prompts, outs):
+        print(f"\n> {msgs[0]['content']}")
+        print(textwrap.indent(textwrap.fill(o.text.strip() or "(empty)", 100), "  "))
+        print(f"  [{len(o.token_ids)} tokens, finished: {o.finish_reason}]")
+    st = eng.stats()
+    gen = sum(len(o.token_ids) for o in outs)
+    print("\n--- what the engine did ---")
+    print(f"requests              {len(outs)} (served together, continuous batching)")
+    print(f"tokens generated      {gen} in {wall:.1f} s = {gen / wall:.1f} tokens/s")
+    print(f"engine steps          {st['steps']}")
+    print(f"peak blocks used      {st.get('peak_blocks_used', '?')} of {st['num_blocks']} (block size {st['block_size']})")
+    if "kv_waste" in st:
+        print(f"KV waste              {st['kv_waste'] * 100:.1f}% of reserved slots unused (reserved but not yet filled)")
+    print(f"peak concurrent seqs  {st.get('peak_concurrency', '?')}")
+    print(f"preemptions           {st['preemptions']}")
+    print("\nNext: `make test`, then open notebooks/ (see the README).")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    import os
+    import platform
+
+    import torch
+
+    from . import __version__
+    from .attention import triton_available
+
+    print(f"minipaged {__version__}  python {platform.python_version()}  torch {torch.__version__}  ({platform.system()} {platform.machine()})")
+    print(f"GPU: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none (CPU only)'}")
+    if triton_available():
+        import triton
+
+        mode = "native (GPU)" if torch.cuda.is_available() else "interpreter on CPU (TRITON_INTERPRET=1, set by minipaged)"
+        print(f"triton {triton.__version__}: kernels run {mode}")
+    else:
+        print("triton: not installed (fine on macOS: attention='torch' is used)")
+    print(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '(unset)')}")
+    try:
+        from .model import default_model_path
+
+        print(f"default model: {default_model_path()}")
+    except Exception as e:  # noqa: BLE001 - shown to the user as is
+        print(f"default model: missing ({e})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="minipaged", description="A small paged-attention LLM engine and its course.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="serve several chat prompts at once with the default model and report what happened")
+    d.add_argument("--model", default=None, help="a GGUF file or a local Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    d.add_argument("--num-prompts", type=int, default=10)
+    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--max-num-seqs", type=int, default=64)
+    d.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
+    d.set_defaults(fn=_demo)
+    i = sub.add_parser("info", help="versions, GPU, Triton mode, where the default model is")
+    i.set_defaults(fn=_info)
+    b = sub.add_parser("bench", help="measure naive vs static vs continuous batching, KV waste, concurrency (see --help)", add_help=False)
+    b.set_defaults(fn=None)
+    g = sub.add_parser("grade", help="grade workbooks: minipaged grade PATH... [--csv FILE]", add_help=False)
+    g.set_defaults(fn=None)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from .bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv and argv[0] == "grade":
+        from .grading import main as grade_main
+
+        return grade_main(argv[1:])
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        print(f"minipaged {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
