@@ -47,7 +47,8 @@ def _store_kv_kernel(
     row = slot % BLOCK_SIZE
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (slot >= 0)
+    num_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)  # a padding token writes nothing
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)
 
     k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
@@ -137,13 +138,12 @@ def _paged_decode_kernel(
         # its own. int64 before multiplying by the block stride: a large pool overflows int32.
         block = tl.load(bt_row + (t // BLOCK_SIZE) * stride_btb, mask=t_mask, other=0).to(tl.int64)
         row = (t % BLOCK_SIZE).to(tl.int64)
-        kv_mask = t_mask[:, None] & d_mask[None, :]
+        # K is loaded already transposed, (BLOCK_D, TILE), ready for q @ K^T.
         k = tl.load(
-            k_head + (block * stride_kb + row * stride_kt)[:, None] + offs_d[None, :] * stride_kd,
-            mask=kv_mask, other=0.0,
-        )  # (TILE, BLOCK_D)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_H, TILE) fp32
+            k_head + (block * stride_kb + row * stride_kt)[None, :] + offs_d[:, None] * stride_kd,
+            mask=d_mask[:, None] & t_mask[None, :], other=0.0,
+        )
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_H, TILE) fp32
         s = tl.where(t_mask[None, :], s, float("-inf"))  # positions past the context are no tokens
 
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile has >= 1 real token
@@ -153,7 +153,7 @@ def _paged_decode_kernel(
 
         v = tl.load(
             v_head + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :] * stride_vd,
-            mask=kv_mask, other=0.0,
+            mask=t_mask[:, None] & d_mask[None, :], other=0.0,
         )  # (TILE, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
@@ -267,9 +267,9 @@ def _paged_prefill_kernel(
         t_mask = t < kv_end
         block = tl.load(bt_row + (t // BLOCK_SIZE) * stride_btb, mask=t_mask, other=0).to(tl.int64)
         row = (t % BLOCK_SIZE).to(tl.int64)
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_head + (block * stride_kb + row * stride_kt)[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, TILE)
+        kv_off = block * stride_kb + row * stride_kt
+        k = tl.load(k_head + kv_off[None, :] + offs_d[:, None] * stride_kd, mask=d_mask[:, None] & t_mask[None, :], other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, TILE); k is K^T
         # Key 0 is visible to every row, so the first tile gives each row a finite maximum and
         # a later, fully masked tile only adds exp2(-inf) = 0.
         visible = t_mask[None, :] & (t[None, :] <= q_pos[:, None])
@@ -278,11 +278,13 @@ def _paged_prefill_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_head + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        v = tl.load(v_head + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :] * stride_vd, mask=t_mask[:, None] & d_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
-    out = acc / l[:, None]
+    # A tile with no token of its own has l == 0; its rows are never stored. Dividing by 1
+    # there keeps them finite instead of 0/0.
+    out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
     o_rows = tok.to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
@@ -291,9 +293,17 @@ def _paged_prefill_kernel(
 # Launch wrappers
 # ----------------------------------------------------------------------------------------------
 INTERPRETED = type(_paged_decode_kernel).__name__ == "InterpretedFunction"
+if INTERPRETED != (type(tl.sum).__name__ == "InterpretedFunction"):
+    # triton.language decides at its own import whether its library (tl.sum, tl.zeros, ...) is
+    # interpreted; kernels defined later must agree, or the first launch fails obscurely.
+    raise RuntimeError(
+        "triton was imported before TRITON_INTERPRET was set (or changed since), so triton.language and "
+        "these kernels disagree on whether they are interpreted. Restart Python and set TRITON_INTERPRET=1 "
+        "before anything imports triton (get_backend('triton') does it for you if it comes first)."
+    )
 DECODE_TILE = 64  # context tokens per decode loop iteration (any power of two >= 16)
 PREFILL_BLOCK_M = 64  # query rows (token x head) per prefill program
-PREFILL_TILE = 32  # context tokens per prefill loop iteration
+PREFILL_TILE = 64  # context tokens per prefill loop iteration
 MIN_TOKENS_PER_SPLIT = 512  # split-KV never cuts the context finer than this
 
 

@@ -21,6 +21,22 @@ class CheckFailed(AssertionError):
     """Your code disagreed with the reference. The message says what was done, what was
     expected, what came, and where to look. nbval marks the cell that raised it."""
 
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback through the checker's own frames, which
+        # tell a learner nothing; a crash in the learner's code keeps its own frames.
+        lines = []
+        cause = self.__cause__
+        if cause is not None and not isinstance(cause, CheckFailed):
+            frames = _learner_frames(cause.__traceback__)
+            if frames:
+                lines.append("Traceback of your code (most recent call last):")
+                lines += [ln.rstrip("\n") for ln in traceback.format_list(frames)]
+                lines.append(f"{type(cause).__name__}: {cause}")
+                lines.append("")
+        red, reset = "\x1b[0;31m", "\x1b[0m"
+        lines.append(f"{red}{type(self).__name__}{reset}: {self}")
+        return lines
+
 
 class NotImplementedYet(CheckFailed):
     """A stub still raises NotImplementedError: the message names the function."""
@@ -59,13 +75,18 @@ def run_with_time_limit(fn: Callable[[], Any], seconds: float, name: str, where:
     """
     started = time.monotonic()
 
-    def timeout_error(stopped: bool) -> CheckTimeout:
+    def timeout_error(stopped: bool, tb=None) -> CheckTimeout:
+        at = ""
+        frames = _learner_frames(tb) if tb is not None else []
+        if frames:
+            f = frames[-1]
+            at = f"\nIt was stopped in {f.name}(), line {f.lineno}" + (f": `{f.line.strip()}`" if f.line else "")
         tail = "" if stopped else (
             "\nYour loop may still be running in the background: restart the kernel (Kernel > Restart) before running again."
         )
         return CheckTimeout(
             f"{name}: stopped after {seconds:.0f} s (the check's time limit); the reference needs well under a second.\n"
-            f"It was running: {where()}\n"
+            f"It was running: {where()}{at}\n"
             "Hint: look for a loop that never ends: a `while` whose condition never changes, or a loop "
             "that never moves its index or pointer forward." + tail
         )
@@ -80,8 +101,8 @@ def run_with_time_limit(fn: Callable[[], Any], seconds: float, name: str, where:
         try:
             with _alarm(seconds):
                 return fn()
-        except _Deadline:
-            raise timeout_error(stopped=True) from None
+        except _Deadline as e:
+            raise timeout_error(stopped=True, tb=e.__traceback__) from None
 
     box: dict[str, Any] = {}
 
@@ -142,6 +163,16 @@ def describe_exception(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}{loc}"
 
 
+def _wrapped_not_implemented(e: BaseException) -> BaseException | None:
+    seen = 0
+    while e is not None and seen < 5:
+        if isinstance(e, NotImplementedError):
+            return e
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
 def learner_call(fn: Callable, *args, what: str, context: Callable[[], str] = lambda: "", **kwargs):
     """Call the learner's ``fn``; a stub becomes NotImplementedYet, any other crash CheckFailed.
 
@@ -157,6 +188,9 @@ def learner_call(fn: Callable, *args, what: str, context: Callable[[], str] = la
     except _Deadline:
         raise
     except Exception as e:
+        inner = _wrapped_not_implemented(e)
+        if inner is not None:  # e.g. Triton's interpreter wraps the kernel's exception in its own
+            raise not_implemented(_qualname(inner.__traceback__)) from None
         ctx = context()
         raise CheckFailed(
             f"{what} crashed with {describe_exception(e)}\n"
@@ -171,6 +205,10 @@ def passed(line: str) -> None:
 
 def skipped(line: str) -> None:
     print(f"SKIPPED: {line}")
+
+
+def plural(k: int, word: str) -> str:
+    return f"{k} {word}" + ("" if k == 1 else "s")
 
 
 def fmt_list(xs, limit: int = 24) -> str:
@@ -193,7 +231,7 @@ def table(rows: list[list[str]], indent: str = "    ") -> str:
 class Log:
     """The operations done so far, written as code a learner can paste into a cell to replay."""
 
-    def __init__(self, header: list[str] | None = None, keep: int = 14) -> None:
+    def __init__(self, header: list[str] | None = None, keep: int = 30) -> None:
         self.header = list(header or [])
         self.lines: list[str] = []
         self.keep = keep
@@ -205,7 +243,7 @@ class Log:
         lines = self.lines
         body = list(self.header)
         if len(lines) > self.keep:
-            body.append(f"# ... {len(lines) - self.keep} earlier operations (same pattern) left out; the full list: see below")
+            body.append(f"# ... {len(lines) - self.keep} earlier operations left out ...")
             shown = lines[-self.keep:]
         else:
             shown = lines
@@ -220,10 +258,13 @@ def failure(title: str, *, done: str = "", expected: str = "", got: str = "", pi
     parts = [title]
     if done:
         parts.append(done)
+    pair = []
     if expected:
-        parts.append("Expected: " + expected)
+        pair.append("Expected: " + expected)
     if got:
-        parts.append("Got:      " + got)
+        pair.append("Got:      " + got)
+    if pair:
+        parts.append("\n".join(pair))
     if picture:
         parts.append(picture)
     if hint:

@@ -15,6 +15,8 @@ from typing import Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from .errors import CorruptModelError, ModelNotFoundError
+
 # llama.cpp's token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -189,21 +191,21 @@ class Tokenizer:
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(
+            raise ModelNotFoundError(
                 f"{folder} has no tokenizer.json: minipaged reads only fast tokenizers. "
                 "Save one with transformers: AutoTokenizer.from_pretrained(...).save_pretrained(folder)"
             )
         try:
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:
-            raise ValueError(f"{path} could not be read as a tokenizer (corrupt or truncated?): {e}") from e
+            raise CorruptModelError(f"{path} could not be read as a tokenizer (corrupt or truncated?): {e}") from e
         cfg = {}
         cfg_path = folder / "tokenizer_config.json"
         if cfg_path.is_file():
             try:
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{cfg_path} is not valid JSON (corrupt or truncated?): {e}") from e
+                raise CorruptModelError(f"{cfg_path} is not valid JSON (corrupt or truncated?): {e}") from e
         template = cfg.get("chat_template")
         if isinstance(template, list):  # several named templates: the default one is the chat one
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])

@@ -1,0 +1,19 @@
+"""What the course's workbooks check a learner's code against: one module per workbook.
+
+    01 kv_cache_math     check_bytes_per_token, check_bytes_per_sequence, check_max_seqs
+    02 block_allocator   check_allocate_free, check_sharing
+    03 block_table       check_growth, check_slot_mapping, check_free
+    04 paged_attention   check_gather_kv, check_paged_attention
+    05 triton_decode     check_decode (and setup_triton)
+    06 scheduler         check_admission, check_preemption, check_rejection
+    07 assemble          load_parts, check_engine
+
+Every check drives your code and the reference side by side on the same seeded operations,
+compares the state after each one, and stops at the first difference with what was done,
+what was expected, what came, and a hint. A failure raises CheckFailed (an AssertionError),
+so nbval marks exactly that cell; a stub raises NotImplementedYet ("not implemented yet:
+<function>"); a check that runs past its time limit raises CheckTimeout.
+"""
+from ._core import CheckFailed, CheckTimeout, NotImplementedYet
+
+__all__ = ["CheckFailed", "CheckTimeout", "NotImplementedYet"]

@@ -1,0 +1,308 @@
+"""Checks for workbook 02: a learner's block allocator against minipaged.BlockAllocator.
+
+Both are driven through the same seeded operations (allocate, free, incref, misuse), and
+after every operation the returned block id, ``num_free_blocks`` and every ``ref_count(b)``
+must agree. The first difference stops the check with the replayable story and a hint.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from ..block_allocator import BlockAllocator
+from ._core import (
+    DEFAULT_TIMEOUT_S,
+    CheckFailed,
+    Log,
+    failure,
+    fmt_list,
+    learner_call,
+    not_implemented,
+    passed,
+    run_with_time_limit,
+    table,
+    _qualname,
+)
+
+NAME = "02 block allocator"
+
+
+class _Run:
+    """One pool driven on both sides: ``ref`` (the reference) and ``mine`` (the learner's)."""
+
+    def __init__(self, cls: type, num_blocks: int, block_size: int, label: str, stats: dict) -> None:
+        self.cls, self.label, self.stats = cls, label, stats
+        self.num_blocks = num_blocks
+        self.log = Log([f"a = {cls.__name__}(num_blocks={num_blocks}, block_size={block_size})"])
+        self.current = f"{cls.__name__}(num_blocks={num_blocks}, block_size={block_size})"
+        self.ref = BlockAllocator(num_blocks, block_size)
+        self.mine = self.call(cls, num_blocks, block_size, what=self.current)
+        self.held: list[int] = []  # one entry per reference a "block table" holds
+        self.names: dict[int, str] = {}
+        self.compare("creating the allocator")
+
+    # -- plumbing --------------------------------------------------------------------------
+    def story(self) -> str:
+        return f"Run: {self.label}.\n" + self.log.render()
+
+    @property
+    def current(self) -> str:
+        return self.stats.get("current", "")
+
+    @current.setter
+    def current(self, what: str) -> None:
+        self.stats["current"] = f"{what}  ({self.label})"
+
+    def call(self, fn, *args, what: str):
+        self.current = what
+        return learner_call(fn, *args, what=what, context=self.story)
+
+    def fail(self, title: str, **kw) -> CheckFailed:
+        return failure(f"{NAME}: {title}", done=self.story(), **kw)
+
+    def expect_error(self, fn, arg, kinds: tuple, what: str):
+        """Call the learner's ``fn(arg)`` expecting an exception of ``kinds``; return it or None."""
+        self.current = what
+        try:
+            fn(arg)
+        except NotImplementedError as e:
+            raise not_implemented(_qualname(e.__traceback__)) from None
+        except kinds as e:
+            return e
+        except CheckFailed:
+            raise
+        except Exception as e:
+            return e
+        return None
+
+    # -- state comparison ------------------------------------------------------------------
+    def ref_counts_mine(self) -> list:
+        out = []
+        for b in range(self.num_blocks):
+            out.append(self.call(self.mine.ref_count, b, what=f"a.ref_count({b})"))
+        return out
+
+    def compare(self, after: str, hint: str = "") -> None:
+        exp_free = self.ref.num_free_blocks
+        got_free = learner_call(lambda: self.mine.num_free_blocks, what="a.num_free_blocks", context=self.story)
+        exp_rc = [self.ref.ref_count(b) for b in range(self.num_blocks)]
+        got_rc = self.ref_counts_mine()
+        if got_rc != exp_rc:
+            bad = [b for b in range(self.num_blocks) if got_rc[b] != exp_rc[b]]
+            shown = list(range(self.num_blocks)) if self.num_blocks <= 16 else sorted(set(bad[:8]))
+            pic = table(
+                [["block"] + [str(b) for b in shown],
+                 ["expected ref_count"] + [str(exp_rc[b]) for b in shown],
+                 ["your ref_count"] + [str(got_rc[b]) for b in shown],
+                 [""] + ["^" if b in bad else "" for b in shown]]
+            )
+            b = bad[0]
+            if not hint:
+                if exp_rc[b] > got_rc[b] and self.ref.ref_count(b) > 0 and got_rc[b] == 0:
+                    hint = (f"block {b} is still held by {exp_rc[b]} block table(s), but your allocator counts it as free. "
+                            "free() drops ONE reference; the block goes back to the free list only when its count reaches 0.")
+                elif exp_rc[b] == 1 and got_rc[b] == 0:
+                    hint = "allocate() must set the new block's ref count to 1: one block table now holds it."
+                elif exp_rc[b] == 0 and got_rc[b] > 0:
+                    hint = "free() must lower the ref count by one; a block whose count reaches 0 is free again."
+                else:
+                    hint = "allocate() sets the count to 1, incref() adds one, free() takes one away."
+            raise self.fail(f"ref counts differ after {after}.",
+                            expected=f"a.ref_count(b) == {fmt_list(exp_rc)} for b = 0..{self.num_blocks - 1}",
+                            got=f"{fmt_list(got_rc)}", picture=pic, hint=hint)
+        if got_free != exp_free:
+            used = [b for b in range(self.num_blocks) if exp_rc[b] > 0]
+            raise self.fail(
+                f"num_free_blocks differs after {after}.",
+                expected=f"a.num_free_blocks == {exp_free} ({len(used)} of {self.num_blocks} blocks in use: {fmt_list(used)})",
+                got=f"{got_free!r}",
+                hint=hint or ("num_free_blocks is how many blocks can still be handed out: the length of your free list. "
+                              "A block leaves the free list in allocate() and returns in free() only when its ref count reaches 0."),
+            )
+
+    # -- operations ------------------------------------------------------------------------
+    def allocate(self) -> None:
+        var = f"b{len(self.names)}"
+        if self.ref.num_free_blocks == 0:
+            what = "a.allocate()"
+            err = self.expect_error(lambda _: self.mine.allocate(), None, (MemoryError,), what)
+            self.log.add(f"a.allocate()  # the pool is full: must raise OutOfBlocksError")
+            if err is None:
+                raise self.fail(f"{what} on a full pool did not raise.",
+                                expected=f"OutOfBlocksError: all {self.num_blocks} blocks are in use",
+                                got="it returned normally (handing out a block that is in use, or None)",
+                                hint="when the free list is empty, raise OutOfBlocksError (from minipaged import OutOfBlocksError) "
+                                     "with a message; the scheduler catches it and preempts a sequence.")
+            if not isinstance(err, MemoryError):
+                raise self.fail(f"{what} on a full pool raised the wrong exception.",
+                                expected="OutOfBlocksError (a MemoryError)",
+                                got=f"{type(err).__name__}: {err}",
+                                hint="check for an empty free list first and raise OutOfBlocksError yourself "
+                                     "(popleft() on an empty deque raises IndexError, which nobody upstream catches).")
+            self.compare("allocate() on a full pool (nothing may change)")
+            return
+        free_before = list(self.ref.free_list)
+        exp = self.ref.allocate()
+        got = self.call(self.mine.allocate, what="a.allocate()")
+        self.log.add(f"{var} = a.allocate()  # -> {exp} expected")
+        self.names[len(self.names)] = var
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise self.fail("a.allocate() must return the block id, an int.",
+                            expected=f"{exp}", got=f"{got!r} ({type(got).__name__})",
+                            hint="return the block you took from the free list.")
+        if got != exp:
+            mine_list = getattr(self.mine, "free_list", None)
+            pic = f"Reference free list before this allocate (front first): {fmt_list(free_before)}"
+            if mine_list is not None:
+                try:
+                    pic += f"\nYour free_list after it:                       {fmt_list(list(mine_list))}"
+                except TypeError:
+                    pass
+            if 0 <= got < self.num_blocks and self.ref.ref_count(got) > 0 and got != exp:
+                hint = (f"block {got} is in use (ref count {self.ref.ref_count(got)} in the reference): it was handed out twice. "
+                        "A block must leave the free list when allocated and come back only when its ref count drops to 0.")
+            elif got in free_before:
+                hint = ("the right block is the FRONT of the free list. The free list is a queue: allocate() takes from the "
+                        "front (deque.popleft()), free() puts a block that became free at the BACK (deque.append()). "
+                        "A list's pop() takes from the back instead.")
+            else:
+                hint = f"block ids are 0..{self.num_blocks - 1}, and a fresh pool hands them out in that order."
+            raise self.fail("a.allocate() returned a different block.", expected=f"block {exp}", got=f"block {got}",
+                            picture=pic, hint=hint)
+        self.held.append(exp)
+        self.stats["ops"] += 1
+        self.compare(f"a.allocate() -> {exp}")
+
+    def free(self, rng: random.Random) -> None:
+        b = rng.choice(self.held)
+        self.held.remove(b)
+        shared = self.ref.ref_count(b) > 1
+        self.ref.free(b)
+        self.call(self.mine.free, b, what=f"a.free({b})")
+        note = f"  # still held {self.ref.ref_count(b)}x" if shared else ""
+        self.log.add(f"a.free({b}){note}")
+        self.stats["ops"] += 1
+        hint = ""
+        if shared:
+            hint = (f"block {b} had ref count {self.ref.ref_count(b) + 1}: another block table still holds it. free() drops one "
+                    "reference; only when the count reaches 0 does the block go back to the free list.")
+        self.compare(f"a.free({b})" + (" of a shared block" if shared else ""), hint=hint)
+
+    def incref(self, rng: random.Random) -> None:
+        b = rng.choice(sorted(set(self.held)))
+        self.held.append(b)
+        self.ref.incref(b)
+        self.call(self.mine.incref, b, what=f"a.incref({b})")
+        self.log.add(f"a.incref({b})  # a second table shares block {b}")
+        self.stats["ops"] += 1
+        self.compare(f"a.incref({b})", hint="incref() adds one to the block's ref count; the free list does not change.")
+
+    def misuse(self, rng: random.Random, kind: str) -> None:
+        free_blocks = [b for b in range(self.num_blocks) if self.ref.ref_count(b) == 0]
+        if not free_blocks:
+            return
+        b = rng.choice(free_blocks)
+        fn = self.mine.free if kind == "free" else self.mine.incref
+        what = f"a.{kind}({b})"
+        err = self.expect_error(fn, b, (ValueError,), what)
+        self.log.add(f"{what}  # block {b} is free: must raise BlockAllocatorError")
+        self.stats["ops"] += 1
+        why = ("a double free: two owners think they hold the block, and it would sit in the free list twice "
+               "and be handed out to two sequences" if kind == "free"
+               else "sharing a block nobody holds: its data could be overwritten at any time")
+        if err is None:
+            raise self.fail(f"{what} on a free block did not raise.",
+                            expected=f"BlockAllocatorError (a ValueError): block {b} is already free (ref count 0)",
+                            got="it returned normally",
+                            hint=f"this is {why}. Check the ref count first and raise BlockAllocatorError "
+                                 "(from minipaged import BlockAllocatorError) with a message that names the block.")
+        if not isinstance(err, ValueError):
+            raise self.fail(f"{what} on a free block raised the wrong exception.",
+                            expected="BlockAllocatorError (a ValueError)", got=f"{type(err).__name__}: {err}",
+                            hint="raise BlockAllocatorError yourself before touching the ref count or the free list.")
+        self.compare(f"{what} (which must change nothing)",
+                     hint="check for the misuse BEFORE changing anything: a failed call must leave the allocator as it was.")
+
+
+def _drive(cls, rng: random.Random, run: _Run, n_ops: int, sharing: bool) -> None:
+    for _ in range(n_ops):
+        r = rng.random()
+        if not run.held or r < 0.45:
+            run.allocate()
+        elif r < 0.8 or not sharing:
+            run.free(rng)
+        elif r < 0.92:
+            run.incref(rng)
+        elif r < 0.96:
+            run.misuse(rng, "free")
+        else:
+            run.misuse(rng, "incref")
+
+
+def _scenarios(cls, stats, sharing: bool) -> None:
+    r = _Run(cls, 4, 16, "a fresh pool hands out 0, 1, 2, 3, then is full", stats)
+    for _ in range(5):
+        r.allocate()
+    r = _Run(cls, 5, 4, "freed blocks go to the back of the free list", stats)
+    for _ in range(3):
+        r.allocate()
+    for b in (1, 0):
+        r.held.remove(b)
+        r.ref.free(b)
+        r.call(r.mine.free, b, what=f"a.free({b})")
+        r.log.add(f"a.free({b})")
+        r.compare(f"a.free({b})")
+    for _ in range(4):
+        r.allocate()
+    if sharing:
+        r = _Run(cls, 3, 4, "a shared block is freed only when its last holder frees it", stats)
+        r.allocate()
+        r.held.append(0)
+        r.ref.incref(0)
+        r.call(r.mine.incref, 0, what="a.incref(0)")
+        r.log.add("a.incref(0)  # a second table shares block 0")
+        r.compare("a.incref(0)", hint="incref() adds one to the ref count and leaves the free list alone.")
+        for _ in range(2):
+            r.free(random.Random(0))
+        r.allocate()
+        r = _Run(cls, 2, 4, "freeing a free block is an error", stats)
+        r.allocate()
+        r.misuse(random.Random(1), "free")
+        r.misuse(random.Random(1), "incref")
+
+
+def _check(cls: type, sharing: bool, seed: int, runs: int, timeout: float, title: str) -> None:
+    stats = {"ops": 0, "runs": 0, "current": "creating the allocator"}
+
+    def body():
+        _scenarios(cls, stats, sharing)
+        rng = random.Random(seed)
+        for i in range(runs):
+            num_blocks = rng.randint(1, 3 + i)
+            block_size = rng.choice([1, 2, 4, 16])
+            run = _Run(cls, num_blocks, block_size, f"random run {i + 1} of {runs} (seed {seed})", stats)
+            _drive(cls, rng, run, 6 + 4 * i, sharing)
+            stats["runs"] += 1
+
+    run_with_time_limit(body, timeout, NAME, lambda: stats["current"])
+    passed(f"{title}: {stats['runs']} random runs, {stats['ops']} operations; after every one your allocator's "
+           "block ids, free count and ref counts matched the reference.")
+
+
+def check_allocate_free(cls: type, seed: int = 0, runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """allocate() and free() without sharing: ids in free-list order, counts, a full pool."""
+    _check(cls, False, seed, runs, timeout, "allocate and free")
+
+
+def check_sharing(cls: type, seed: int = 1, runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """incref() and free() of shared blocks, and misuse (double free, sharing a free block)."""
+    _check(cls, True, seed, runs, timeout, "ref counts and sharing")
+
+
+def check(cls: type, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Everything workbook 02 asks of ``cls``."""
+    check_allocate_free(cls, timeout=timeout)
+    check_sharing(cls, timeout=timeout)
+
+
+__all__ = ["check", "check_allocate_free", "check_sharing"]

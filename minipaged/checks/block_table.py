@@ -1,0 +1,336 @@
+"""Checks for workbook 03: a learner's block table against minipaged.BlockTable.
+
+Each side gets its own reference BlockAllocator, so only the table is under test. Both
+are driven through the same seeded appends (often right at a block boundary), slot-mapping
+queries and frees; after every operation every table's blocks and token count, and the
+pool's free count, must agree.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ..block_allocator import BlockAllocator
+from ..block_table import BlockTable
+from ._core import (
+    DEFAULT_TIMEOUT_S,
+    CheckFailed,
+    Log,
+    _qualname,
+    failure,
+    fmt_list,
+    learner_call,
+    not_implemented,
+    passed,
+    plural,
+    run_with_time_limit,
+    table,
+)
+
+NAME = "03 block table"
+
+
+_n = plural
+
+
+def page_table_picture(exp_blocks: list, got_blocks: list, title: str = "") -> str:
+    n = max(len(exp_blocks), len(got_blocks), 1)
+    cols = list(range(min(n, 20)))
+    rows = [
+        ["logical block"] + [str(i) for i in cols],
+        ["expected physical"] + [str(exp_blocks[i]) if i < len(exp_blocks) else "-" for i in cols],
+        ["your physical"] + [str(got_blocks[i]) if i < len(got_blocks) else "-" for i in cols],
+        [""] + ["^" if (exp_blocks[i] if i < len(exp_blocks) else None) != (got_blocks[i] if i < len(got_blocks) else None)
+                else "" for i in cols],
+    ]
+    more = f"\n    ... {n - 20} more logical blocks" if n > 20 else ""
+    return (title + "\n" if title else "") + table(rows) + more
+
+
+class _Run:
+    def __init__(self, cls: type, num_blocks: int, block_size: int, num_tables: int, label: str, stats: dict) -> None:
+        self.cls, self.label, self.stats = cls, label, stats
+        self.bs = block_size
+        self.ref_alloc = BlockAllocator(num_blocks, block_size)
+        self.my_alloc = BlockAllocator(num_blocks, block_size)
+        self.log = Log([f"from minipaged import BlockAllocator",
+                        f"pool = BlockAllocator(num_blocks={num_blocks}, block_size={block_size})"])
+        self.ref: list[BlockTable | None] = []
+        self.mine: list = []
+        for i in range(num_tables):
+            self.ref.append(BlockTable(self.ref_alloc))
+            self.mine.append(self.call(cls, self.my_alloc, what=f"{cls.__name__}(pool)"))
+            self.log.add(f"t{i} = {cls.__name__}(pool)")
+        self.compare("creating the tables")
+
+    @property
+    def current(self) -> str:
+        return self.stats["current"]
+
+    @current.setter
+    def current(self, what: str) -> None:
+        self.stats["current"] = f"{what}  ({self.label})"
+
+    def story(self) -> str:
+        return f"Run: {self.label}.\n" + self.log.render()
+
+    def call(self, fn, *args, what: str):
+        self.current = what
+        return learner_call(fn, *args, what=what, context=self.story)
+
+    def fail(self, title: str, **kw) -> CheckFailed:
+        return failure(f"{NAME}: {title}", done=self.story(), **kw)
+
+    # -- state -----------------------------------------------------------------------------
+    def compare(self, after: str, hint: str = "", i_focus: int | None = None) -> None:
+        order = list(range(len(self.ref)))
+        if i_focus is not None:
+            order.remove(i_focus)
+            order.insert(0, i_focus)
+        for i in order:
+            r, m = self.ref[i], self.mine[i]
+            got_blocks = getattr(m, "blocks", None)
+            got_tokens = getattr(m, "num_tokens", None)
+            try:
+                got_list = list(got_blocks)
+            except TypeError:
+                raise self.fail(f"t{i}.blocks is not a list after {after}.", expected=f"a list of block ids, {r.blocks}",
+                                got=repr(got_blocks), hint="keep self.blocks as a plain list of physical block ids.") from None
+            if got_list != r.blocks:
+                if len(got_list) > len(r.blocks):
+                    h = (f"t{i} holds {len(got_list)} blocks for {r.num_tokens} tokens; {r.num_tokens} tokens of block size {self.bs} "
+                         f"need ceil({r.num_tokens} / {self.bs}) = {len(r.blocks)}. Is your block count off by one when the tokens "
+                         "end exactly at a block boundary? -(-total // block_size) rounds up without that mistake.")
+                elif len(got_list) < len(r.blocks):
+                    h = (f"t{i} holds too few blocks: {r.num_tokens} tokens need ceil({r.num_tokens} / {self.bs}) = {len(r.blocks)} "
+                         "blocks of the pool. Round UP: a partly filled block is still a whole block.")
+                else:
+                    h = "take new blocks from the allocator in order (allocator.allocate_many(n) or allocate() n times) and extend self.blocks."
+                raise self.fail(f"t{i}'s blocks differ after {after}.",
+                                expected=f"t{i}.blocks == {fmt_list(r.blocks)}, t{i}.num_tokens == {r.num_tokens}",
+                                got=f"t{i}.blocks == {fmt_list(got_list)}, t{i}.num_tokens == {got_tokens!r}",
+                                picture=page_table_picture(r.blocks, got_list, f"Page table of t{i}:"), hint=hint or h)
+            if got_tokens != r.num_tokens:
+                raise self.fail(f"t{i}.num_tokens differs after {after}.",
+                                expected=f"{r.num_tokens}", got=f"{got_tokens!r}",
+                                hint=hint or "append_tokens(n) adds n to num_tokens (after taking the blocks); free() sets it back to 0.")
+        if self.my_alloc.num_free_blocks != self.ref_alloc.num_free_blocks or self.my_alloc.ref_counts != self.ref_alloc.ref_counts:
+            leaked = [b for b in range(self.ref_alloc.num_blocks)
+                      if self.my_alloc.ref_counts[b] > self.ref_alloc.ref_counts[b]]
+            raise self.fail(
+                f"the pool differs after {after}.",
+                expected=f"pool.num_free_blocks == {self.ref_alloc.num_free_blocks}",
+                got=f"{self.my_alloc.num_free_blocks}" + (f" (blocks {fmt_list(leaked)} are still taken)" if leaked else ""),
+                hint=hint or ("a table must give every block back with allocator.free(b) when it is freed; clearing self.blocks "
+                              "alone leaks them, and the pool slowly runs dry." if leaked else
+                              "take blocks only through the allocator, and only as many as blocks_needed(n) says."),
+            )
+
+    # -- operations ------------------------------------------------------------------------
+    def pick_n(self, rng: random.Random, i: int) -> int:
+        used = self.ref[i].num_tokens
+        to_boundary = (-used) % self.bs
+        choice = rng.random()
+        if choice < 0.25:
+            return to_boundary or self.bs  # end exactly on a boundary
+        if choice < 0.45:
+            return to_boundary + 1  # one past it
+        if choice < 0.6:
+            return 1
+        if choice < 0.65:
+            return 0
+        return rng.randint(1, 2 * self.bs + 3)
+
+    def blocks_needed(self, i: int, n: int) -> None:
+        exp = self.ref[i].blocks_needed(n)
+        got = self.call(self.mine[i].blocks_needed, n, what=f"t{i}.blocks_needed({n})")
+        if got != exp or isinstance(got, bool):
+            r = self.ref[i]
+            total = r.num_tokens + n
+            raise self.fail(
+                f"t{i}.blocks_needed({n}) differs.",
+                expected=f"{exp}: t{i} holds {_n(len(r.blocks), 'block')} for {_n(r.num_tokens, 'token')}; {r.num_tokens} + {n} = {total} "
+                         f"tokens need ceil({total} / {self.bs}) = {-(-total // self.bs)} blocks in all, so {exp} more",
+                got=f"{got!r}",
+                hint="blocks in all = ceil((num_tokens + n) / block_size), then subtract the blocks already held (never below 0). "
+                     "Watch the exact boundary: 16 tokens with block size 16 is 1 block, not 2. -(-x // b) is ceil(x / b) on ints.",
+            )
+
+    def append(self, i: int, n: int) -> None:
+        r = self.ref[i]
+        need = r.blocks_needed(n)
+        what = f"t{i}.append_tokens({n})"
+        if need > self.ref_alloc.num_free_blocks:
+            self.log.add(f"{what}  # needs {need} blocks, only {self.ref_alloc.num_free_blocks} free: must raise OutOfBlocksError")
+            self.current = what
+            try:
+                self.mine[i].append_tokens(n)
+            except NotImplementedError as e:
+                raise not_implemented(_qualname(e.__traceback__)) from None
+            except MemoryError:
+                pass
+            except Exception as e:
+                raise self.fail(f"{what} raised the wrong exception when the pool ran out.",
+                                expected="OutOfBlocksError (from minipaged import OutOfBlocksError)",
+                                got=f"{type(e).__name__}: {e}",
+                                hint="check `need > allocator.num_free_blocks` before taking any block and raise OutOfBlocksError.") from e
+            else:
+                raise self.fail(f"{what} did not raise although the pool is short of blocks.",
+                                expected=f"OutOfBlocksError: {need} blocks needed, {self.ref_alloc.num_free_blocks} free",
+                                got="it returned normally",
+                                hint="the scheduler relies on this error (or on checking blocks_needed first) to preempt.")
+            self.stats["ops"] += 1
+            self.compare(f"{what} ran out of blocks", i_focus=i,
+                         hint="all or nothing: when the pool cannot give every block needed, raise BEFORE taking any, so the "
+                              "table and the pool stay exactly as they were.")
+            return
+        exp_new = r.append_tokens(n)
+        got_new = self.call(self.mine[i].append_tokens, n, what=what)
+        self.log.add(f"{what}  # -> {exp_new} expected; now {_n(r.num_tokens, 'token')} in {_n(len(r.blocks), 'block')}")
+        self.stats["ops"] += 1
+        self.compare(what, i_focus=i)
+        try:
+            got_list = list(got_new)
+        except TypeError:
+            got_list = None
+        if got_list != exp_new:
+            raise self.fail(f"{what} returned the wrong list of new blocks.", expected=f"{exp_new}", got=f"{got_new!r}",
+                            hint="return the blocks this call took (an empty list when none was needed).")
+
+    def slots(self, i: int, start: int, end: int) -> None:
+        r = self.ref[i]
+        what = f"t{i}.slot_mapping({start}, {end})"
+        exp = r.slot_mapping(start, end)
+        got = self.call(self.mine[i].slot_mapping, start, end, what=what)
+        self.log.add(f"{what}")
+        self.stats["ops"] += 1
+        if not isinstance(got, torch.Tensor):
+            raise self.fail(f"{what} must return a torch tensor.", expected=f"tensor({exp.tolist()})",
+                            got=f"{got!r} ({type(got).__name__})",
+                            hint="build it with torch.tensor(...) or torch.arange(...) and return it; dtype torch.int64.")
+        if got.dtype.is_floating_point or got.dtype == torch.bool:
+            raise self.fail(f"{what} returned {got.dtype}; slots index the cache, so they must be integers.",
+                            expected="dtype torch.int64", got=str(got.dtype),
+                            hint="use integer ops: // and %, not /.")
+        if tuple(got.shape) != tuple(exp.shape):
+            raise self.fail(f"{what} has the wrong shape.", expected=f"shape {tuple(exp.shape)} (one slot per position {start}..{end - 1})",
+                            got=f"shape {tuple(got.shape)}",
+                            hint="end is exclusive, like range(start, end).")
+        if not torch.equal(got.long(), exp):
+            positions = list(range(start, end))
+            bad = [k for k in range(len(positions)) if int(got[k]) != int(exp[k])]
+            k = bad[0]
+            p = positions[k]
+            shown = range(max(0, k - 3), min(len(positions), k + 5))
+            pic = table([["position"] + [str(positions[j]) for j in shown],
+                         ["expected slot"] + [str(int(exp[j])) for j in shown],
+                         ["your slot"] + [str(int(got[j])) for j in shown],
+                         [""] + ["^" if j in bad else "" for j in shown]])
+            blk, off = p // self.bs, p % self.bs
+            gv = int(got[k])
+            if gv == p:
+                h = ("your slot equals the position itself: the table was not used. The slot lives in the PHYSICAL block: "
+                     "blocks[pos // block_size] * block_size + pos % block_size.")
+            elif gv % self.bs != off:
+                h = f"the offset inside the block is wrong: it is pos % block_size = {off}, added to physical block * block_size."
+            else:
+                h = ("position p is in logical block p // block_size at offset p % block_size; its slot is "
+                     "blocks[p // block_size] * block_size + p % block_size.")
+            raise self.fail(
+                f"{what}: position {p} maps to the wrong slot.",
+                expected=f"slot {int(exp[k])} = physical block {r.blocks[blk]} (t{i}.blocks[{blk}]) * {self.bs} + offset {off}",
+                got=f"slot {gv}",
+                picture=pic + f"\n\nt{i}'s page table (the same on both sides):\n" + table(
+                    [["logical block"] + [str(j) for j in range(len(r.blocks))],
+                     ["physical block"] + [str(b) for b in r.blocks]]),
+                hint=h,
+            )
+
+    def free(self, i: int) -> None:
+        what = f"t{i}.free()"
+        held = list(self.ref[i].blocks)
+        self.ref[i].free()
+        self.call(self.mine[i].free, what=what)
+        self.log.add(f"{what}  # gives back {held}")
+        self.stats["ops"] += 1
+        self.compare(what, i_focus=i, hint=(
+            f"free() must hand each of the table's blocks ({held}) back with allocator.free(b), then empty self.blocks and "
+            "set num_tokens to 0. Clearing the list alone leaks the blocks: the pool never sees them again."))
+
+
+def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: str) -> None:
+    stats = {"ops": 0, "runs": 0, "current": f"creating a {cls.__name__}"}
+
+    def body():
+        # Fixed stories first: they are short, so their failure messages are easy to read.
+        r = _Run(cls, 6, 4, 1, "block size 4: 4 tokens fill one block exactly, the 5th opens a second", stats)
+        for n in (0, 1, 3, 4, 5):
+            r.blocks_needed(0, n)
+        r.append(0, 4)
+        r.blocks_needed(0, 0)
+        r.blocks_needed(0, 1)
+        r.append(0, 1)
+        if part in ("slots", "free"):
+            r2 = _Run(cls, 8, 4, 2, "two tables interleave, so their blocks are not in order", stats)
+            r2.append(0, 3)
+            r2.append(1, 5)
+            r2.append(0, 6)
+            r2.slots(0, 0, 9)
+            r2.slots(1, 2, 5)
+            r2.slots(0, 4, 9)
+            if part == "free":
+                r2.free(1)
+                r2.append(0, 8)
+                r2.free(0)
+        r3 = _Run(cls, 2, 4, 1, "the pool runs out: the append must take nothing", stats)
+        r3.append(0, 5)
+        r3.append(0, 4)
+        rng = random.Random(seed)
+        for k in range(runs):
+            bs = rng.choice([1, 2, 4, 8, 16])
+            num_tables = rng.randint(1, 3)
+            pool = rng.randint(2, 4 + k)
+            run = _Run(cls, pool, bs, num_tables, f"random run {k + 1} of {runs} (seed {seed})", stats)
+            for _ in range(8 + 2 * k):
+                i = rng.randrange(num_tables)
+                u = rng.random()
+                if part == "free" and u < 0.15:
+                    run.free(i)
+                elif part in ("slots", "free") and u < 0.45 and run.ref[i].num_tokens > 0:
+                    a = rng.randint(0, run.ref[i].num_tokens)
+                    b = rng.randint(a, run.ref[i].num_tokens)
+                    run.slots(i, a, b)
+                else:
+                    n = run.pick_n(rng, i)
+                    run.blocks_needed(i, n)
+                    run.append(i, n)
+            stats["runs"] += 1
+
+    run_with_time_limit(body, timeout, NAME, lambda: stats["current"])
+    passed(f"{title}: {stats['runs']} random runs, {stats['ops']} operations; after every one your tables' blocks, "
+           "token counts and the pool matched the reference.")
+
+
+def check_growth(cls: type, seed: int = 0, runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """blocks_needed() and append_tokens(): whole blocks, the exact boundary, all or nothing."""
+    _check(cls, "growth", seed, runs, timeout, "growth")
+
+
+def check_slot_mapping(cls: type, seed: int = 1, runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """slot_mapping(start, end) through tables whose blocks are out of order."""
+    _check(cls, "slots", seed, runs, timeout, "slot mapping")
+
+
+def check_free(cls: type, seed: int = 2, runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """free(): every block back to the pool, the table empty and reusable."""
+    _check(cls, "free", seed, runs, timeout, "freeing")
+
+
+def check(cls: type, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    check_growth(cls, timeout=timeout)
+    check_slot_mapping(cls, timeout=timeout)
+    check_free(cls, timeout=timeout)
+
+
+__all__ = ["check", "check_growth", "check_slot_mapping", "check_free", "page_table_picture"]

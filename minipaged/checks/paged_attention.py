@@ -1,0 +1,358 @@
+"""Checks for workbook 04: a learner's gather_kv and paged_attention against the reference.
+
+Cases run from simple to hard (one sequence, decode, GQA, a chunk over a cached prefix, a
+mixed batch, huge logits), on caches whose unused slots hold garbage and whose block tables
+are out of order. When an output differs, the check also runs the reference with one
+classic mistake switched on (no causal offset, GQA by modulo, logical blocks, unmasked last
+block, no scale); if yours matches one of those, the hint names it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..attention.reference import gather_kv as ref_gather_kv
+from ..attention.reference import paged_attention as ref_paged_attention
+from ._core import (
+    DEFAULT_TIMEOUT_S,
+    CheckFailed,
+    failure,
+    fmt_list,
+    learner_call,
+    passed,
+    run_with_time_limit,
+)
+
+NAME = "04 paged attention"
+
+
+@dataclass
+class Case:
+    """One batch of inputs in the reference signature, plus what it is meant to test."""
+
+    name: str
+    focus: str  # the hint when this case is the first to fail and no known mistake matches
+    q: torch.Tensor  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) int32
+    context_lens: torch.Tensor  # (num_seqs,) int32
+    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32
+    scale: float
+    seqs: list = field(default_factory=list)  # [(context_len, q_len)]
+
+    def args(self) -> tuple:
+        return (self.q.clone(), self.k_cache.clone(), self.v_cache.clone(), self.block_tables.clone(),
+                self.context_lens.clone(), self.query_start_loc.clone(), self.scale)
+
+    def describe(self) -> str:
+        nb, bs, hkv, d = self.k_cache.shape
+        h = self.q.shape[1]
+        lines = [f"{len(self.seqs)} sequence(s), block_size {bs}, {h} query head(s) over {hkv} KV head(s), head_dim {d}, "
+                 f"scale {self.scale:.4g}, cache of {nb} blocks"]
+        for s, (c, ql) in enumerate(self.seqs):
+            nblk = -(-c // bs)
+            row = self.block_tables[s, :nblk].tolist()
+            kind = "decode" if ql == 1 and c > 1 else ("prefill" if ql == c else "chunk over a cached prefix")
+            lines.append(f"  sequence {s}: context_len {c}, {ql} new token(s) ({kind}; rows "
+                         f"{int(self.query_start_loc[s])}..{int(self.query_start_loc[s + 1]) - 1} of q), "
+                         f"block table {row}")
+        return "\n".join(lines)
+
+
+def make_case(name: str, focus: str, seqs: list, num_heads: int = 2, num_kv_heads: int = 1, head_dim: int = 8,
+              block_size: int = 4, seed: int = 0, logit_scale: float = 1.0, in_order: bool = False,
+              spare_blocks: int = 3) -> Case:
+    """Random inputs for ``seqs`` = [(context_len, q_len), ...]; unused cache slots hold garbage."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-c // block_size) for c, _ in seqs]
+    num_blocks = sum(need) + spare_blocks
+    ids = torch.arange(num_blocks) if in_order else torch.randperm(num_blocks, generator=g)
+    width = max(need)
+    tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g) * 8 + 5  # garbage
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g) * 50 + 20
+    used = 0
+    for s, (c, _) in enumerate(seqs):
+        blocks = ids[used: used + need[s]]
+        used += need[s]
+        tables[s, : need[s]] = blocks.to(torch.int32)
+        for p in range(c):
+            b, o = int(blocks[p // block_size]), p % block_size
+            k_cache[b, o] = torch.randn(num_kv_heads, head_dim, generator=g)
+            v_cache[b, o] = torch.randn(num_kv_heads, head_dim, generator=g)
+    q_lens = [ql for _, ql in seqs]
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g) * logit_scale
+    if logit_scale != 1.0:
+        k_cache = k_cache * logit_scale
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    return Case(name, focus, q, k_cache, v_cache, tables, torch.tensor([c for c, _ in seqs], dtype=torch.int32), qsl,
+                1.0 / math.sqrt(head_dim), list(seqs))
+
+
+# -- the reference with one mistake switched on (for hints only) ---------------------------------
+def variant_attention(case: Case, causal: str = "suffix", gqa: str = "div", blocks: str = "table",
+                      partial: str = "mask", scaled: bool = True) -> torch.Tensor:
+    q, kc, vc, bt, ctx, qsl, scale = case.args()
+    nb, bs, hkv, d = kc.shape
+    h = q.shape[1]
+    group = h // hkv
+    out = torch.zeros_like(q)
+    for s, (c, ql) in enumerate(case.seqs):
+        q0 = int(qsl[s])
+        nblk = -(-c // bs)
+        row = bt[s, :nblk].long() if blocks == "table" else torch.arange(nblk)
+        if blocks == "logical" and int(row.max()) >= nb:
+            row = row.clamp(max=nb - 1)
+        n_keys = c if partial == "mask" else nblk * bs
+        k = kc[row].reshape(-1, hkv, d)[:n_keys].float()
+        v = vc[row].reshape(-1, hkv, d)[:n_keys].float()
+        heads = torch.arange(h) // group if gqa == "div" else torch.arange(h) % hkv
+        k, v = k[:, heads], v[:, heads]
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q0 + ql].float(), k) * (scale if scaled else 1.0)
+        first = c - ql if causal == "suffix" else 0
+        q_pos = torch.arange(first, first + ql).unsqueeze(1)
+        k_pos = torch.arange(n_keys).unsqueeze(0)
+        if causal != "none" and not (partial == "whole" and ql == 1):
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        out[q0:q0 + ql] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+    return out
+
+
+MISTAKES = [
+    (dict(causal="prefix"),
+     "your output is what you get when query i may see keys 0..i, as if nothing were cached. The new tokens are the LAST "
+     "q_len positions of the context: query i sits at position context_len - q_len + i and sees keys 0 .. context_len - q_len + i."),
+    (dict(causal="none"),
+     "your output matches attention WITHOUT the causal mask: a new token may not see the tokens after it. Before the softmax "
+     "set scores[k_pos > q_pos] = -inf, with q_pos = context_len - q_len + i."),
+    (dict(gqa="mod"),
+     "your output matches GQA with the wrong KV head: query head h reads KV head h // (num_heads // num_kv_heads) (consecutive "
+     "query heads share one KV head: k.repeat_interleave(group, dim=1)), not h % num_kv_heads (what k.repeat(1, group, 1) gives)."),
+    (dict(blocks="logical"),
+     "your output matches reading the blocks in logical order (block i for logical block i): the block table was ignored. "
+     "Logical block i of sequence s lives in physical block block_tables[s, i]."),
+    (dict(partial="whole"),
+     "your output matches attending to EVERY slot of the last block, also the ones past context_len. The last block is only "
+     "partly filled; the slots after the sequence's end hold garbage (another sequence's or stale data). Keep only the first "
+     "context_len gathered tokens, or mask keys at positions >= context_len (a decode step needs that mask too)."),
+    (dict(scaled=False),
+     "your output matches attention without the scale: multiply q·k by `scale` (1/sqrt(head_dim)) before the softmax."),
+]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol))
+
+
+def _max_score(case: Case) -> float:
+    q, kc, _, bt, _, qsl, scale = case.args()
+    bs, hkv = kc.shape[1], kc.shape[2]
+    best = 0.0
+    for s, (c, ql) in enumerate(case.seqs):
+        k = ref_gather_kv(kc, bt[s], c).float().repeat_interleave(q.shape[1] // hkv, dim=1)
+        sc = torch.einsum("qhd,khd->hqk", q[int(qsl[s]): int(qsl[s]) + ql].float(), k) * scale
+        best = max(best, sc.abs().max().item())
+    return best
+
+
+def diagnose(case: Case, got: torch.Tensor, atol: float, rtol: float) -> str:
+    if not torch.isfinite(got).all():
+        bad = (~torch.isfinite(got)).nonzero()[0].tolist()
+        big = _max_score(case)
+        return (f"your output has NaN or inf (first at out[{bad[0]}, {bad[1]}, {bad[2]}]) where the reference is finite. "
+                f"Scores here reach about {big:.0f}; exp() of anything above 88 overflows float32. Subtract each row's maximum "
+                "before exp (softmax(x) == softmax(x - max(x))), or call torch.softmax, which does. Compute in float32.")
+    for kwargs, hint in MISTAKES:
+        try:
+            alt = variant_attention(case, **kwargs)
+        except Exception:  # a variant that makes no sense for this case
+            continue
+        ref = variant_attention(case)
+        if not _close(alt, ref, atol, rtol) and _close(got, alt, atol * 10, rtol * 10):
+            return hint
+    return case.focus
+
+
+# -- cases ----------------------------------------------------------------------------------
+def attention_cases(decode_only: bool = False) -> list[Case]:
+    c = []
+    if not decode_only:
+        c.append(make_case("prefill of one short sequence (5 tokens, 2 blocks of 4, in order)",
+                           "start here: gather the sequence's keys and values, scores = q @ k^T * scale, causal mask, softmax, @ v.",
+                           [(5, 5)], num_heads=1, num_kv_heads=1, in_order=True, seed=1))
+    c.append(make_case("decode: 1 new token over 9 cached, blocks in order",
+                       "a decode query is the LAST position of the context: it sees all context_len keys.",
+                       [(9, 1)], num_heads=1, num_kv_heads=1, in_order=True, seed=2))
+    c.append(make_case("decode through an out-of-order block table",
+                       "logical block i lives in physical block block_tables[s, i]; read blocks through the table.",
+                       [(11, 1)], num_heads=1, num_kv_heads=1, seed=3))
+    c.append(make_case("decode with GQA: 4 query heads over 2 KV heads",
+                       "query head h reads KV head h // (num_heads // num_kv_heads).",
+                       [(7, 1)], num_heads=4, num_kv_heads=2, seed=4))
+    c.append(make_case("decode, context ends exactly on a block boundary (8 tokens, block size 4)",
+                       "a context of exactly n * block_size tokens uses n whole blocks and no part of another.",
+                       [(8, 1)], num_heads=2, num_kv_heads=2, seed=5))
+    c.append(make_case("decode batch of 3 sequences with different lengths",
+                       "each sequence has its own block table row and context_len; query row s belongs to sequence s.",
+                       [(3, 1), (13, 1), (6, 1)], num_heads=6, num_kv_heads=2, seed=6))
+    if not decode_only:
+        c.append(make_case("prefill with GQA: 6 query heads over 3 KV heads",
+                           "each new token i may see keys 0..i; query head h reads KV head h // group.",
+                           [(10, 10)], num_heads=6, num_kv_heads=3, seed=7))
+        c.append(make_case("chunk: 3 new tokens over a cached prefix of 6",
+                           "the 3 new tokens are positions 6, 7, 8: query i sees keys 0 .. 6 + i.",
+                           [(9, 3)], num_heads=2, num_kv_heads=1, seed=8))
+        c.append(make_case("mixed batch: a prefill, a decode and a chunk, packed by query_start_loc",
+                           "sequence s owns rows query_start_loc[s] : query_start_loc[s+1] of q and out.",
+                           [(6, 6), (14, 1), (11, 4)], num_heads=4, num_kv_heads=2, head_dim=16, seed=9))
+    c.append(make_case("huge logits (scores in the hundreds)",
+                       "subtract the row maximum before exp(): softmax(x) == softmax(x - max(x)).",
+                       [(12, 1), (7, 1)] if decode_only else [(12, 4), (7, 1)],
+                       num_heads=2, num_kv_heads=1, head_dim=16, seed=10, logit_scale=12.0))
+    for i in range(3):
+        g = torch.Generator().manual_seed(100 + i)
+        n = int(torch.randint(1, 5, (1,), generator=g))
+        seqs = []
+        for _ in range(n):
+            ctx = int(torch.randint(1, 40, (1,), generator=g))
+            ql = 1 if decode_only else int(torch.randint(1, ctx + 1, (1,), generator=g))
+            seqs.append((ctx, ql))
+        hkv = [1, 2, 2][i]
+        c.append(make_case(f"random batch {i + 1} of 3", "compare with the cases above that passed.", seqs,
+                           num_heads=hkv * [1, 2, 4][i], num_kv_heads=hkv, head_dim=[8, 16, 32][i],
+                           block_size=[4, 8, 16][i], seed=200 + i))
+    return c
+
+
+def compare_case(case: Case, got, name: str, fn_name: str, atol: float, rtol: float) -> None:
+    exp = ref_paged_attention(*case.args())
+    call = f"{fn_name}(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)"
+    replay = (f"To replay: from minipaged.checks import paged_attention as pa\n"
+              f"    case = pa.case_named({case.name!r}{', decode_only=True' if name.startswith('05') else ''})\n"
+              f"    out = {fn_name}(*case.args())")
+    if got is None:
+        raise failure(f"{name}: case \"{case.name}\": {fn_name} returned None.", done=case.describe(),
+                      hint="return the output tensor (shape (num_tokens, num_heads, head_dim)); filling `out` without returning it is not enough.")
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(exp.shape):
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        raise failure(f"{name}: case \"{case.name}\": the output has the wrong shape.", done=case.describe(),
+                      expected=f"shape {tuple(exp.shape)} = (num_tokens, num_heads, head_dim), like q",
+                      got=f"{shape}", hint="one output row per query row, one head per query head.")
+    if _close(got, exp, atol, rtol):
+        return
+    diff = (got.float() - exp.float()).abs()
+    diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf")))
+    tol = atol + rtol * exp.abs()
+    bad = (diff > tol).nonzero()
+    t, hh = bad[0, 0].item(), bad[0, 1].item()
+    qsl = case.query_start_loc.tolist()
+    s = max(i for i in range(len(qsl) - 1) if qsl[i] <= t)
+    ctx, ql = case.seqs[s]
+    pos = ctx - ql + (t - qsl[s])
+    k = min(4, exp.shape[-1])
+    raise failure(
+        f"{name}: case \"{case.name}\" differs from the reference.",
+        done="Inputs: " + case.describe(),
+        expected=f"out[{t}, {hh}, :{k}] = {fmt_list(f'{x:.4f}' for x in exp[t, hh, :k].tolist())}",
+        got=f"out[{t}, {hh}, :{k}] = {fmt_list(f'{x:.4f}' for x in got[t, hh, :k].float().tolist())}",
+        picture=(f"That is sequence {s}, its new token {t - qsl[s]} (position {pos} of {ctx}), query head {hh}. "
+                 f"{len(bad)} of {exp.numel()} output values are off; the largest difference is {diff.max().item():.3g} "
+                 f"(tolerance {atol:g} + {rtol:g} * |expected|).\n" + replay),
+        hint=diagnose(case, got, atol, rtol),
+    )
+
+
+def case_named(name: str, decode_only: bool = False) -> Case:
+    """The check's case ``name``, to replay it in a cell."""
+    for c in attention_cases(decode_only):
+        if c.name == name:
+            return c
+    raise KeyError(f"no case {name!r}; the cases are: {[c.name for c in attention_cases(decode_only)]}")
+
+
+# -- the checks ----------------------------------------------------------------------------
+def check_gather_kv(gather_kv: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """``gather_kv(cache, block_table_row, context_len)`` -> (context_len, num_kv_heads, head_dim)."""
+    cases = [(5, True), (11, False), (8, False), (1, False), (16, False), (23, False)]
+    state = {"current": "gather_kv(...)"}
+
+    def body():
+        for i, (ctx, in_order) in enumerate(cases):
+            case = make_case("gather", "", [(ctx, 1)], num_heads=2, num_kv_heads=2, head_dim=4, block_size=4,
+                             seed=30 + i, in_order=in_order)
+            row = case.block_tables[0]
+            what = f"gather_kv(k_cache, block_table={row.tolist()}, context_len={ctx})"
+            state["current"] = what
+            exp = ref_gather_kv(case.k_cache, row, ctx)
+            got = learner_call(gather_kv, case.k_cache.clone(), row.clone(), ctx, what=what)
+            bs = case.k_cache.shape[1]
+            desc = f"k_cache of shape {tuple(case.k_cache.shape)} (num_blocks, block_size, num_kv_heads, head_dim), block size {bs}"
+            if not isinstance(got, torch.Tensor):
+                raise failure(f"{NAME}: {what} returned {type(got).__name__}.", done=desc,
+                              expected=f"a tensor of shape {tuple(exp.shape)}", got=repr(got)[:80],
+                              hint="return the gathered tokens as one tensor.")
+            if tuple(got.shape) != tuple(exp.shape):
+                h = ("you kept every slot of the last block: cut the result to the first context_len tokens ([:context_len])."
+                     if got.dim() == 3 and got.shape[0] == -(-ctx // bs) * bs else
+                     "index the cache with the sequence's blocks (cache[block_table[:n_blocks]]), flatten the first two "
+                     "dims (n_blocks * block_size tokens), then keep the first context_len.")
+                raise failure(f"{NAME}: {what} has the wrong shape.", done=desc,
+                              expected=f"{tuple(exp.shape)} = (context_len, num_kv_heads, head_dim)",
+                              got=f"{tuple(got.shape)}", hint=h)
+            if not torch.equal(got, exp):
+                tok = int((got != exp).flatten(1).any(1).nonzero()[0])
+                blk, off = tok // bs, tok % bs
+                logical = case.k_cache.reshape(-1, *case.k_cache.shape[2:])[:ctx] if ctx <= case.k_cache.shape[0] * bs else None
+                if logical is not None and torch.equal(got, logical):
+                    h = "you read the blocks in logical order (0, 1, 2, ...): take logical block i from physical block block_table[i]."
+                else:
+                    h = (f"token {tok} is logical block {blk}, offset {off}: it lives at cache[block_table[{blk}], {off}] = "
+                         f"cache[{int(row[blk])}, {off}].")
+                raise failure(f"{NAME}: {what}: token {tok} is the wrong one.", done=desc,
+                              expected=f"cache[{int(row[blk])}, {off}] (block_table[{blk}] = {int(row[blk])}, offset {off})",
+                              got="other values", hint=h)
+
+    run_with_time_limit(body, timeout, NAME, lambda: state["current"])
+    passed(f"gather_kv: {len(cases)} block tables (in order, shuffled, exact block boundary, one token) matched the reference.")
+
+
+def check_attention_fn(fn: Callable, name: str, cases: list, timeout: float, atol: float, rtol: float,
+                       fn_name: str = "paged_attention", before: Callable[[], None] | None = None) -> int:
+    state = {"current": "the first case"}
+
+    def body():
+        if before is not None:
+            before()
+        for case in cases:
+            state["current"] = f'{fn_name}(...) on case "{case.name}"'
+            args = case.args()
+            got = learner_call(fn, *args, what=f'{fn_name}(...) on case "{case.name}"',
+                               context=lambda case=case: "Inputs: " + case.describe())
+            if not torch.equal(args[1], case.k_cache) or not torch.equal(args[2], case.v_cache):
+                raise failure(f"{name}: {fn_name} changed k_cache or v_cache (case \"{case.name}\").", done=case.describe(),
+                              hint="attention only reads the cache; the new K/V were written before it is called. "
+                                   "Work on gathered copies, never assign into the cache.")
+            compare_case(case, got, name, fn_name, atol, rtol)
+
+    run_with_time_limit(body, timeout, name, lambda: state["current"])
+    return len(cases)
+
+
+def check_paged_attention(paged_attention: Callable, timeout: float = DEFAULT_TIMEOUT_S,
+                          atol: float = 1e-4, rtol: float = 1e-4) -> None:
+    """``paged_attention`` with the reference signature, on prefill, decode, GQA, chunks and mixed batches."""
+    n = check_attention_fn(paged_attention, NAME, attention_cases(), timeout, atol, rtol)
+    passed(f"paged attention: {n} cases (prefill, decode, GQA, a chunk over a cached prefix, a mixed batch, huge logits, "
+           "random batches) matched the reference.")
+
+
+def check(gather_kv: Callable, paged_attention: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    check_gather_kv(gather_kv, timeout=timeout)
+    check_paged_attention(paged_attention, timeout=timeout)
+
+
+__all__ = ["check", "check_gather_kv", "check_paged_attention", "attention_cases", "case_named", "make_case"]

