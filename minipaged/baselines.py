@@ -19,6 +19,7 @@ from .engine import ModelRunner
 from .kv_cache import KVCache
 from .scheduler import ScheduledSeq, SchedulerOutput
 from .sequence import Sequence
+from .trace import StepRecord, Trace
 
 
 class ContiguousTable(BlockTable):
@@ -46,15 +47,8 @@ class BatchRun:
     outputs: dict[int, list[int]] = field(default_factory=dict)
     first_token_time: dict[int, float] = field(default_factory=dict)
     finish_time: dict[int, float] = field(default_factory=dict)
-    timeline: list[dict] = field(default_factory=list)  # {request, slot, start, end, done}
-    reserved_slots: list[int] = field(default_factory=list)  # per step
-    used_slots: list[int] = field(default_factory=list)
-    peak_concurrency: int = 0
+    trace: Trace = field(default_factory=lambda: Trace(kind="static"))  # memory and slots per step
     seconds: float = 0.0
-
-    def kv_waste(self) -> float:
-        r = sum(self.reserved_slots)
-        return (r - sum(self.used_slots)) / r if r else 0.0
 
 
 @torch.inference_mode()
@@ -101,7 +95,9 @@ def run_static(
             s.block_table = ContiguousTable(allocator, reserve_len)
             seqs.append(s)
         start = time.perf_counter() - t0
-        run.peak_concurrency = max(run.peak_concurrency, len(seqs))
+        first_step = len(run.trace.steps)
+        slots = {s.seq_id: k for k, s in enumerate(seqs)}
+        waiting = tuple(range(batch[-1] + 1, len(requests)))
         for step in range(longest):
             # Step 0 is the prefill of every prompt; then one token per row per step.
             out = SchedulerOutput()
@@ -113,11 +109,12 @@ def run_static(
             hidden = model(ids, pos, kv, meta, backend)
             tokens = model.compute_logits(hidden[rows]).argmax(-1).tolist()
             now = time.perf_counter() - t0
-            reserved = used = 0
+            reserved = used = sampled = 0
             for s, t in zip(seqs, tokens):
                 s.num_computed_tokens = s.num_tokens
                 s.output_token_ids.append(int(t))  # past max_tokens this is padding work
                 k = len(s.output_token_ids)
+                sampled += k <= s.max_tokens
                 if k == 1:
                     run.first_token_time[s.seq_id] = now
                 if k == s.max_tokens:
@@ -127,13 +124,24 @@ def run_static(
                         bar.update(1)
                 reserved += s.block_table.num_reserved_slots
                 used += s.num_prompt_tokens + min(k, s.max_tokens) - 1
-            run.reserved_slots.append(reserved)
-            run.used_slots.append(used)
-        end = time.perf_counter() - t0
+            run.trace.steps.append(StepRecord(
+                step=len(run.trace.steps), time=now, running=tuple(slots), waiting=waiting, batch=tuple(slots),
+                prefill_tokens=sum(len(x.prompt_token_ids) for x in seqs) if step == 0 else 0,
+                decode_tokens=0 if step == 0 else len(seqs), sampled_tokens=sampled, preemptions=0,
+                reserved_slots=reserved, used_slots=used, slots=dict(slots),
+                blocks_used=allocator.num_used_blocks, blocks_free=allocator.num_free_blocks,
+            ))
+        end_step = len(run.trace.steps)
         for slot, s in enumerate(seqs):
-            run.timeline.append({"request": s.seq_id, "slot": slot, "start": start, "end": end, "done": run.finish_time[s.seq_id]})
+            run.trace._closed.append({
+                "request": s.seq_id, "slot": slot, "start": first_step, "end": end_step,
+                "start_time": start, "end_time": run.trace.steps[-1].time,
+                "finish": first_step + s.max_tokens, "finish_time": run.finish_time[s.seq_id], "outcome": "length",
+            })
             s.block_table.free()
     run.seconds = time.perf_counter() - t0
+    run.trace.max_len = reserve_len
+    run.trace.meta.update(batch_size=batch_size, time_unit="s")
     if bar is not None:
         bar.close()
     allocator.check_invariants()

@@ -152,10 +152,17 @@ def hf_smollm2_tokenizer(smollm2_path):
 
 # ----- tiny random models (no download; built and saved here) -----------------------------------
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# Written the way Hub templates are (a tag per line, indented), so that rendering it right needs
+# Jinja's trim_blocks and lstrip_blocks, as transformers sets them.
+CHAT_TEMPLATE = """{% for message in messages %}
+  {% if message['role'] not in ['system', 'user', 'assistant'] %}
+    {{ raise_exception('unknown role ' + message['role']) }}
+  {% endif %}
+{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' }}
+{% endfor %}
+{% if add_generation_prompt %}
+  {{- '<|im_start|>assistant\n' -}}
+{% endif %}"""
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
     "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",

@@ -66,6 +66,8 @@ def test_folder_tokenizer_matches_transformers(tiny_hf_dir, tiny_model):
     for gen in (True, False):
         want = hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
         assert tok.apply_chat_template(messages, add_generation_prompt=gen) == want
+    with pytest.raises(Exception, match="unknown role robot"):  # the template's raise_exception
+        tok.apply_chat_template([{"role": "robot", "content": "beep"}])
     assert tok.bos_token_id == hf.bos_token_id
     assert hf.convert_tokens_to_ids("<|im_end|>") in tok.eos_token_ids
     assert tok.vocab_size == len(hf)

@@ -169,36 +169,47 @@ def test_kernels_read_nothing_outside_the_context():
 
 
 # ----------------------------------------------------------------------------------------------
-# A pool past 2**31 elements: offsets must be int64
+# A pool past 2**32 elements: offsets must be int64
 # ----------------------------------------------------------------------------------------------
 def _huge_kv_pool(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, tmp_path):
     """K and V interleaved in one storage, (num_blocks, 2, block_size, kv_heads, head_dim), as
     vLLM lays them out: K = kv[:, 0], V = kv[:, 1], both non-contiguous.
 
-    On the CPU the storage is a sparse file mapped shared: its gigabytes are address space only,
-    and only the pages of blocks that are written take memory (or disk). On a GPU it is real memory.
+    On the CPU the storage is a sparse file mapped shared (and unlinked at once): its gigabytes
+    are address space only, and only the pages of blocks that are written take memory. On a GPU
+    it is real memory, and the test is skipped where there is not enough.
     """
     shape = (num_blocks, 2, block_size, kv_heads, head_dim)
-    numel = num_blocks * 2 * block_size * kv_heads * head_dim
+    nbytes = num_blocks * 2 * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
     if DEVICE == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        if free < nbytes + 2**30:
+            pytest.skip(f"needs {nbytes / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
         kv = torch.empty(shape, dtype=dtype, device=DEVICE)
     else:
+        path = tmp_path / "pool.bin"
         try:
-            kv = torch.from_file(str(tmp_path / "pool.bin"), shared=True, size=numel, dtype=dtype).view(shape)
+            kv = torch.from_file(str(path), shared=True, size=nbytes * 8 // torch.finfo(dtype).bits, dtype=dtype).view(shape)
         except (RuntimeError, OSError) as e:  # pragma: no cover - a filesystem without sparse files
-            pytest.skip(f"cannot map a sparse {numel * 2 / 2**30:.1f} GiB file here: {e}")
+            pytest.skip(f"cannot map a sparse {nbytes / 2**30:.1f} GiB file here: {e}")
+        path.unlink()  # the mapping lives on; nothing is left on disk
     return kv[:, 0], kv[:, 1]
 
 
-def test_int64_offsets_in_a_pool_past_2_pow_31(tmp_path):
-    """Block ids above 2**31 / (2 * block_size * heads * head_dim) make element offsets pass
-    2**31: an int32 ``block_id * stride`` would wrap (and read or write the wrong place)."""
+def test_int64_offsets_in_a_pool_past_2_pow_32(tmp_path):
+    """Block ids whose element offset ``block_id * block_stride`` passes 2**32, in an 8 GiB pool.
+
+    An int32 offset wraps there. The pool is large enough that the wrapped offset (true - 2**32)
+    still points inside it, so a kernel with that bug reads or writes the wrong block and fails
+    the comparison, rather than crashing on an unmapped address. (Offsets between 2**31 and
+    2**32 would wrap negative and crash a buggy kernel, so no block of the test sits there.)
+    """
     bs, kv_heads, head_dim, dtype = 16, 2, 64, torch.float16
     per_block = 2 * bs * kv_heads * head_dim  # the block stride of K and of V, in elements
-    first_big = 2**31 // per_block + 1
+    first_big = -(-(2**32) // per_block)
     num_blocks = first_big + 40
     k_cache, v_cache = _huge_kv_pool(num_blocks, bs, kv_heads, head_dim, dtype, tmp_path)
-    assert k_cache.stride(0) * (num_blocks - 1) > 2**31
+    assert k_cache.stride(0) * first_big >= 2**32
 
     g = torch.Generator().manual_seed(seed := fresh_seed())
     ctx, q_lens = [1, bs, bs + 1, 3 * bs + 2], [1, bs, 2, 5]

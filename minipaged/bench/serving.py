@@ -69,21 +69,23 @@ def _summary(outputs_tokens: dict, ttft: dict, finish: dict, seconds: float, wor
     }
 
 
-def _memory(reserved: list[int], used: list[int], bytes_per_token: int) -> dict:
-    r, u = np.array(reserved or [0]), np.array(used or [0])
+def _memory(trace, bytes_per_token: int) -> dict:
+    """KV reserved vs used, read from what the system's own allocator held at every step."""
+    r = np.array([s.reserved_slots for s in trace.steps] or [0])
+    u = np.array([s.used_slots for s in trace.steps] or [0])
     return {
         "kv_reserved_peak_mib": float(r.max() * bytes_per_token / 2**20),
         "kv_reserved_mean_mib": float(r.mean() * bytes_per_token / 2**20),
         "kv_used_peak_mib": float(u.max() * bytes_per_token / 2**20),
         "kv_used_mean_mib": float(u.mean() * bytes_per_token / 2**20),
-        "kv_waste": float((r.sum() - u.sum()) / r.sum()) if r.sum() else 0.0,
+        "kv_waste": float(trace.kv_waste()),
+        "peak_concurrent_seqs": int(trace.peak_concurrency),
     }
 
 
 def summarize_batch_run(run: BatchRun, workload: Workload, ids: list[int], bytes_per_token: int) -> dict:
     d = _summary(run.outputs, run.first_token_time, run.finish_time, run.seconds, workload, ids)
-    d.update(_memory(run.reserved_slots, run.used_slots, bytes_per_token))
-    d["peak_concurrent_seqs"] = run.peak_concurrency
+    d.update(_memory(run.trace, bytes_per_token))
     return d
 
 
@@ -120,11 +122,8 @@ def run_continuous(
     ttft = {int(i): done[i].metrics["first_token_time"] for i in ids}
     fin = {int(i): done[i].metrics["finish_time"] for i in ids}
     d = _summary(outs, ttft, fin, seconds, workload, list(range(len(ids))))
-    tr = eng.trace
-    d.update(_memory(tr.reserved_slots_per_step(), tr.used_slots_per_step(), eng.kv_bytes_per_token))
-    d["kv_waste"] = float(tr.kv_waste())
-    d["peak_concurrent_seqs"] = int(tr.peak_concurrency)
-    d["peak_blocks_used"] = int(tr.peak_blocks_used)
+    d.update(_memory(eng.trace, eng.kv_bytes_per_token))
+    d["peak_blocks_used"] = int(eng.trace.peak_blocks_used)
     d["preemptions"] = eng.scheduler.num_preemptions
     return d, eng
 
@@ -240,6 +239,8 @@ def run_bench(
     fpt = flops_per_token(model, np.mean([len(r.prompt_token_ids) + r.max_tokens / 2 for r in wl.requests]))
     result["ceiling"] = {"gemm_gflops": gf, "flops_per_token": fpt, "compute_bound_tokens_per_s": gf * 1e9 / fpt}
     S = result["systems"]
+    traces: dict = {}
+    result["_traces"] = traces
     if "naive" in systems:
         sub = Workload(wl.name, wl.requests[:naive_requests], seed, wl.description)
         run = run_naive(model, reqs[:naive_requests], reserve_len, block_size=block_size, attention=attention, progress=progress)
@@ -248,12 +249,11 @@ def run_bench(
     if "static" in systems:
         run = run_static(model, reqs, static_batch, reserve_len, block_size=block_size, attention=attention, progress=progress)
         S["static"] = summarize_batch_run(run, wl, list(range(len(reqs))), bpt)
-        S["static"]["timeline"] = run.timeline
+        traces["static"] = run.trace
     if "continuous" in systems:
         d, eng = run_continuous(model, wl, budget_blocks, block_size, attention=attention, progress=progress)
         S["continuous"] = d
-        S["continuous"]["timeline"] = eng.trace.timeline()
-        result["_trace"] = eng.trace
+        traces["continuous"] = eng.trace
     if "hf" in systems:
         hf = load_hf_peer(model_path)
         if hf is not None:
@@ -299,13 +299,18 @@ def save_plots(result: dict, folder: Path) -> list[Path]:
     fig = viz.plot_throughput(S)
     paths.append(folder / "throughput.png")
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    if "static" in S and "continuous" in S:
-        fig = viz.plot_timeline({"static": S["static"]["timeline"], "continuous": S["continuous"]["timeline"]})
+    traces = result.get("_traces", {})
+    if "static" in traces and "continuous" in traces:
+        fig = viz.plot_timeline(traces)
         paths.append(folder / "timeline.png")
         fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    if result.get("_trace") is not None:
-        fig = viz.plot_kv_usage(result["_trace"])
+    if traces:
+        fig = viz.plot_kv_usage(traces)
         paths.append(folder / "kv_usage.png")
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    if "continuous" in traces:
+        fig = viz.plot_page_table(traces["continuous"])
+        paths.append(folder / "page_table.png")
         fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
     import matplotlib.pyplot as plt
 
@@ -315,8 +320,7 @@ def save_plots(result: dict, folder: Path) -> list[Path]:
 
 def to_json(result: dict) -> dict:
     out = {k: v for k, v in result.items() if not k.startswith("_")}
-    out["systems"] = {n: {k: v for k, v in d.items() if k != "timeline"} for n, d in result["systems"].items()}
-    out["timelines"] = {n: d["timeline"] for n, d in result["systems"].items() if "timeline" in d}
+    out["timelines"] = {n: t.timeline() for n, t in result.get("_traces", {}).items()}
     return out
 
 
