@@ -6,6 +6,7 @@ output is poisoned with NaN before the launch, so an element a kernel forgets to
 """
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -279,6 +280,53 @@ def test_clear_errors():
         bf = [t.bfloat16() for t in case.args()[:3]]
         with pytest.raises(TypeError, match="no bfloat16"):
             tp.paged_attention(*bf, *case.args()[3:])
+
+
+# ----------------------------------------------------------------------------------------------
+# The GPU benchmark: its CPU path, and one case run through the interpreter with faked timing
+# ----------------------------------------------------------------------------------------------
+def test_kernel_benchmark_without_gpu_says_so(monkeypatch, tmp_path, capsys):
+    from minipaged.bench import kernels as kb
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kb.main(["--json", str(tmp_path / "k.json")]) == 0
+    said = capsys.readouterr().out
+    assert "no CUDA GPU is present" in said and "Nothing was measured" in said
+    assert json.loads((tmp_path / "k.json").read_text())["device"] is None
+
+
+def test_kernel_benchmark_case_and_table(monkeypatch):
+    """Everything in a benchmark case but the CUDA timing: the pool, the rotated block tables,
+    the dense copies, the correctness check, every peer's call, the ratios and the table."""
+    from minipaged.bench import kernels as kb
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))
+    rotations = []
+
+    def fake_time(fn, n, **kw):
+        for i in range(n):
+            fn(i)
+        rotations.append(n)
+        return 0.5 if len(rotations) == 1 else 1.0  # paged 0.5 ms, every peer 1 ms
+
+    monkeypatch.setattr(kb, "time_cuda", fake_time)
+    monkeypatch.setattr(kb, "ROTATE_BYTES", 2 * kb.kv_bytes(2, 32, elem=4))
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:  # pragma: no cover - torch < 2.5
+        flex_attention = None
+    case = kb.run_case(2, 32, torch.float32, 100.0, tp, flex_attention, "no flex", True, torch.device(DEVICE), float("inf"))
+    assert case["paged_vs_sdpa_rel_err"] < 1e-5
+    assert rotations[0] == 2
+    assert case["results"]["paged"]["GBps"] == pytest.approx(kb.kv_bytes(2, 32, elem=4) / 0.5e-3 / 1e9)
+    assert case["ratios"]["sdpa_over_paged"] == pytest.approx(2.0)
+    report = {"device": "test", "copy_GBps": 100.0, "peers": list(kb.PEER_LABELS), "cases": [case],
+              "config": {"dtype": "float32", "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}}
+    report["cases"].append({"batch": 256, "context": 16384, "kv_bytes": kb.kv_bytes(256, 16384),
+                            "results": {"paged": {"name": "paged", "skipped": "needs 40 GiB"}}})
+    table = kb.format_table(report)
+    assert "skipped: needs 40 GiB" in table and "2.00" in table, table
+    json.dumps(report)  # the report is plain JSON
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ strides; token ``t`` of a sequence lives in block ``block_table[t // block_size]
 """
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
 import triton
@@ -304,11 +304,19 @@ if INTERPRETED != (type(tl.sum).__name__ == "InterpretedFunction"):
 DECODE_TILE = 64  # context tokens per decode loop iteration (any power of two >= 16)
 PREFILL_BLOCK_M = 64  # query rows (token x head) per prefill program
 PREFILL_TILE = 64  # context tokens per prefill loop iteration
-MIN_TOKENS_PER_SPLIT = 512  # split-KV never cuts the context finer than this
+MIN_TOKENS_PER_SPLIT = 256  # split-KV never cuts the context finer than this
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if not INTERPRETED and t.device.type != "cuda":
+        raise RuntimeError(
+            f"the Triton kernels were compiled for a GPU but got tensors on {t.device}; "
+            "set TRITON_INTERPRET=1 before anything imports triton to run them on the CPU"
+        )
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
@@ -330,11 +338,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
             "Triton's CPU interpreter has no bfloat16 arithmetic: use float16 or float32 here, "
             "or attention='torch' (bfloat16 works with the Triton kernels on a GPU)"
         )
-    if not INTERPRETED and q.device.type != "cuda":
-        raise RuntimeError(
-            f"the Triton kernels were compiled for a GPU but got tensors on {q.device}; "
-            "set TRITON_INTERPRET=1 before importing minipaged to run them on the CPU"
-        )
+    _check_device(q)
     if block_tables.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"block_tables must be int32 or int64, got {block_tables.dtype}")
 
@@ -364,12 +368,18 @@ def write_kv(
         raise ValueError(f"slot_mapping must be ({num_tokens},), one slot per token; got {tuple(slot_mapping.shape)}")
     if num_tokens == 0:
         return
+    _check_device(k)
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=_pow2(num_kv_heads), BLOCK_D=_pow2(head_dim),
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def choose_num_splits(num_seqs: int, num_programs: int, max_context: int, device: torch.device) -> int:
@@ -382,7 +392,7 @@ def choose_num_splits(num_seqs: int, num_programs: int, max_context: int, device
     """
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     want = triton.cdiv(2 * sms, max(1, num_programs))  # two programs per SM
     return max(1, min(want, triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT), 128))
 

@@ -207,7 +207,9 @@ def run_bench(
     num_requests = num_requests or (24 if quick else 96)
     static_batch = static_batch or (8 if quick else 16)
     naive_requests = naive_requests or (3 if quick else 8)
-    max_output = max_output or (48 if quick else 160)
+    max_output = max_output or (96 if quick else 384)
+    max_prompt = 128 if quick else 512
+    scale = 0.4 if quick else 1.0
     t = time.perf_counter()
     tokenizer = None
     if model is None:
@@ -217,7 +219,7 @@ def run_bench(
     load_s = time.perf_counter() - t
     cfg = model.config
     real = chat_prompt_ids(tokenizer) if chat_prompts and tokenizer is not None else None
-    wl = synthetic(workload, num_requests, seed, vocab_size=cfg.vocab_size, max_output=max_output, max_prompt=128, real_prompts=real)
+    wl = synthetic(workload, num_requests, seed, vocab_size=cfg.vocab_size, max_output=max_output, max_prompt=max_prompt, real_prompts=real, scale=scale)
     reqs = [(r.prompt_token_ids, r.max_tokens) for r in wl.requests]
     reserve_len = max(len(r.prompt_token_ids) for r in wl.requests) + max(r.max_tokens for r in wl.requests)
     bpt = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype)

@@ -14,8 +14,8 @@ import numpy as np
 # distribution and scale the lengths down, so a run takes a minute rather than an hour.
 DISTRIBUTIONS = {
     # name: (prompt median, prompt sigma, output median, output sigma) of a log-normal
-    "sharegpt": (48, 0.8, 40, 0.9),
-    "alpaca": (20, 0.5, 24, 0.5),
+    "sharegpt": (96, 0.8, 96, 0.9),
+    "alpaca": (20, 0.5, 48, 0.5),
 }
 
 
@@ -64,11 +64,13 @@ def synthetic(
     max_output: int = 256,
     fixed: tuple[int, int] | None = None,
     real_prompts: list[list[int]] | None = None,
+    scale: float = 1.0,
 ) -> Workload:
     """``name`` is "sharegpt", "alpaca" or "fixed" (then ``fixed=(prompt_len, output_len)``).
 
     With ``real_prompts`` (token ids of real chat prompts), prompts are taken from them in
     turn instead of random tokens; the output lengths still follow the distribution.
+    ``scale`` shrinks every median (a quick run keeps the shape with shorter requests).
     """
     rng = np.random.default_rng(seed)
     if name == "fixed":
@@ -78,6 +80,7 @@ def synthetic(
         desc = f"{num_requests} requests, prompt {fixed[0]} and output {fixed[1]} tokens each"
     elif name in DISTRIBUTIONS:
         pm, ps, om, os_ = DISTRIBUTIONS[name]
+        pm, om = max(4, round(pm * scale)), max(4, round(om * scale))
         plens = _lognormal(rng, pm, ps, num_requests, 4, max_prompt)
         olens = _lognormal(rng, om, os_, num_requests, 4, max_output)
         desc = (

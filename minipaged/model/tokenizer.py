@@ -6,6 +6,7 @@ files itself (gguf_loader.py hands it plain lists) and knows nothing about the m
 """
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from datetime import datetime
@@ -54,7 +55,7 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map: byte-level BPE spells every token in these 256 characters."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -65,8 +66,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def _render_chat_template(template: str, **context) -> str:
-    """Render a Hugging Face chat template with the same Jinja settings transformers uses."""
+@functools.lru_cache(maxsize=8)
+def _compile_chat_template(template: str):
+    """A Hugging Face chat template, compiled with the Jinja settings transformers uses."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -81,7 +83,11 @@ def _render_chat_template(template: str, **context) -> str:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template).render(**context)
+    return env.from_string(template)
+
+
+def _render_chat_template(template: str, **context) -> str:
+    return _compile_chat_template(template).render(**context)
 
 
 class Tokenizer:
@@ -179,7 +185,12 @@ class Tokenizer:
         ]
         if special:
             backend.add_special_tokens(special)
-        user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab]
+        # User-defined tokens (<think>) also match whole, but are ordinary text on decode.
+        user = [
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types)
+            if ty == USER_DEFINED and t in vocab
+        ]
         if user:
             backend.add_tokens(user)
         token = lambda i: tokens[i] if i is not None and 0 <= i < len(tokens) else None  # noqa: E731

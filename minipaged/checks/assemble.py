@@ -1,0 +1,324 @@
+"""Checks for workbook 07: the learner's own parts, taken from their workbooks 02-06,
+serving SmolLM2 through minipaged's engine, compared with the reference engine.
+
+``load_parts`` runs the code cells of the learner's earlier workbooks (not their checks)
+and re-runs each part's check quietly, so a missing, unsolved or wrong part is named before
+any model is loaded. ``check_engine`` serves a few short prompts greedily with a small pool
+(so blocks run out, sequences are preempted and recomputed, prompts are chunked), compares
+the tokens with the reference engine's and, when they differ, swaps the parts for
+minipaged's one at a time to say which one is to blame.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import io
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ._core import CheckFailed, NotImplementedYet, describe_exception, is_stub, not_implemented, passed, run_with_time_limit
+from ._workbooks import find_workbook, run_workbook_cells
+
+NAME = "07 assemble"
+
+# (workbook, names it must define, the check that the part must still pass)
+_PARTS = [
+    ("02_block_allocator", ["MyBlockAllocator"], "block_allocator", "check", lambda ns: (ns["MyBlockAllocator"],)),
+    ("03_block_table", ["MyBlockTable"], "block_table", "check", lambda ns: (ns["MyBlockTable"],)),
+    ("04_paged_attention_torch", ["gather_kv", "paged_attention"], "paged_attention", "check",
+     lambda ns: (ns["gather_kv"], ns["paged_attention"])),
+    ("06_scheduler", ["MyScheduler"], "scheduler", "check", lambda ns: (ns["MyScheduler"],)),
+]
+_DECODE = ("05_triton_decode_kernel", ["paged_decode"], "triton_decode", "check_decode", lambda ns: (ns["paged_decode"],))
+
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "One, two, three, four,",
+    # 30 tokens: more than this small pool can ever hold, so the scheduler must reject it
+    "Once upon a time, in a small village at the edge of a very large and very old forest, there lived a "
+    "curious young girl who loved to read",
+]
+MAX_TOKENS = 8
+ENGINE_ARGS = dict(block_size=4, num_blocks=7, max_num_seqs=4, max_num_batched_tokens=16)
+
+
+@dataclass
+class Parts:
+    """The learner's parts, ready for the engine."""
+
+    allocator_cls: type
+    block_table_cls: type
+    paged_attention: Callable
+    scheduler_cls: type
+    paged_decode: Callable | None = None
+    files: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def attention(self) -> Callable:
+        """Your Triton kernel for decode steps (on a GPU, if you solved 05), your PyTorch attention otherwise."""
+        if self.paged_decode is None:
+            return self.paged_attention
+        decode, full = self.paged_decode, self.paged_attention
+
+        def learner_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out=None):
+            if q.shape[0] == context_lens.shape[0]:  # one new token per sequence: a decode step
+                return decode(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out)
+            return full(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out)
+
+        return learner_attention
+
+
+def _folder(folder) -> Path:
+    return Path(folder if folder is not None else os.environ.get("MINIPAGED_WORKBOOKS", ".")).expanduser().resolve()
+
+
+def _where_hint(folder: Path) -> str:
+    import sys
+
+    if "google.colab" in sys.modules:
+        return ("On Colab each notebook runs alone: upload your solved workbooks into the Files panel (left) and keep "
+                "WORKBOOKS = '.', or mount Google Drive (from google.colab import drive; drive.mount('/content/drive')) "
+                "and set WORKBOOKS = '/content/drive/MyDrive/Colab Notebooks'.")
+    return f"Put your solved workbooks next to this one, or set WORKBOOKS to the folder that holds them (now: {folder})."
+
+
+def load_parts(folder: str | os.PathLike | None = None, learner: str | None = None, verbose: bool = True,
+               use_triton: bool | None = None) -> Parts:
+    """Your allocator (02), block table (03), attention (04), scheduler (06), and on a GPU your
+    Triton decode (05), taken from your workbook files in ``folder``, each checked again."""
+    import importlib
+
+    root = _folder(folder)
+    learner = learner if learner is not None else (os.environ.get("MINIPAGED_LEARNER") or None)
+    if use_triton is None:
+        use_triton = torch.cuda.is_available()
+    wanted = list(_PARTS) + ([_DECODE] if use_triton else [])
+    found: dict[str, tuple] = {}
+    problems: list[str] = []
+    stub = False
+    rows = []
+    for stem, names, module, fn_name, pick in wanted:
+        path, candidates = find_workbook(root, stem, learner)
+        if path is None:
+            problems.append(f"{stem}.ipynb: not found in {root}")
+            rows.append((stem, "missing", ""))
+            continue
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ns = run_workbook_cells(path)
+        except NotImplementedError:
+            problems.append(f"{path.name}: one of its code cells still raises NotImplementedError when it runs")
+            rows.append((stem, "not solved", path.name))
+            stub = True
+            continue
+        except Exception as e:  # a learner's cell that does not run
+            problems.append(f"{path.name}: running its code cells failed: {describe_exception(e)}")
+            rows.append((stem, "broken", path.name))
+            continue
+        missing = [n for n in names if n not in ns]
+        if missing:
+            problems.append(f"{path.name} defines no {', '.join(missing)}: keep the names the workbook gave you")
+            rows.append((stem, "incomplete", path.name))
+            continue
+        objs = pick(ns)
+        check_fn = getattr(importlib.import_module(f"minipaged.checks.{module}"), fn_name)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                check_fn(*objs)
+        except NotImplementedYet as e:
+            stub = True
+            first = str(e).split("\n")[0].split(". It still raises")[0].rstrip(".")
+            problems.append(f"{path.name}: {first} (it still raises NotImplementedError)")
+            rows.append((stem, "not solved", path.name))
+            continue
+        except CheckFailed as e:
+            problems.append(f"{path.name}: does not pass its own check yet: {str(e).split(chr(10))[0]}")
+            rows.append((stem, "check fails", path.name))
+            continue
+        found[stem] = objs
+        note = f" (of {len(candidates)} candidates, the newest)" if len(candidates) > 1 else ""
+        rows.append((stem, "ok", path.name + note))
+    if problems:
+        msg = (f"{NAME}: {len(problems)} of your parts cannot be used yet:\n"
+               + "\n".join(f"  - {p}" for p in problems)
+               + "\n\nOpen that workbook, make its check cells pass, save it (Ctrl+S), then run this cell again. "
+               + (_where_hint(root) if any("not found" in p for p in problems) else ""))
+        raise (NotImplementedYet if stub else CheckFailed)(msg.strip())
+    parts = Parts(found["02_block_allocator"][0], found["03_block_table"][0], found["04_paged_attention_torch"][1],
+                  found["06_scheduler"][0], found.get(_DECODE[0], (None,))[0],
+                  {stem: name for stem, _, name in rows})
+    if verbose:
+        width = max(len(r[0]) for r in rows)
+        for stem, status, name in rows:
+            print(f"  {stem.ljust(width)}  {status:<4}  {name}")
+        if not use_triton:
+            print("  (05, your Triton kernel, is not used: no GPU here, so decode runs through your 04 attention)")
+        passed(f"your parts from {root}: each still passes its own check.")
+    return parts
+
+
+_MODEL: dict = {}
+
+
+def model_and_tokenizer():
+    """SmolLM2-135M-Instruct, loaded once per session (on the GPU if there is one)."""
+    from ..model import load_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in _MODEL:
+        _MODEL[device] = load_model(None, device=device)
+    return _MODEL[device]
+
+
+def _generate(llm, prompts, what: str):
+    from ..sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the rejected prompt warns; the table below says it
+        try:
+            return llm.generate(prompts, params)
+        except (CheckFailed, NotImplementedError):
+            raise
+        except Exception as e:
+            raise CheckFailed(f"{NAME}: {what} crashed while serving the prompts: {describe_exception(e)}\n\n"
+                              "Your parts pass their own checks, so look at what only the engine does: several "
+                              "sequences at once, preemption and recompute, tensors of the model's dtype and device.") from e
+
+
+def _tokens(outs) -> list:
+    return [(list(o.token_ids), o.finish_reason) for o in outs]
+
+
+def _build(build_engine, model, tok, parts, args):
+    try:
+        llm = build_engine(model, tok, parts, **args)
+    except NotImplementedError as e:
+        from ._core import _qualname
+
+        raise not_implemented(_qualname(e.__traceback__)) from None
+    except CheckFailed:
+        raise
+    except Exception as e:
+        raise CheckFailed(f"{NAME}: build_engine(model, tokenizer, parts, **engine_args) crashed: {describe_exception(e)}") from e
+    if not hasattr(llm, "generate"):
+        raise CheckFailed(f"{NAME}: build_engine returned {type(llm).__name__}; return the LLM(...) you built "
+                          "(it has .generate).")
+    return llm
+
+
+def _check_plugged(llm, parts: Parts) -> None:
+    eng = getattr(llm, "engine", None)
+    if eng is None:
+        return
+    wrong = []
+    if not isinstance(eng.allocator, parts.allocator_cls):
+        wrong.append(f"allocator_cls=parts.allocator_cls (the engine's allocator is a {type(eng.allocator).__name__})")
+    if not isinstance(eng.scheduler, parts.scheduler_cls):
+        wrong.append(f"scheduler_cls=parts.scheduler_cls (the engine's scheduler is a {type(eng.scheduler).__name__})")
+    if getattr(eng.scheduler, "block_table_cls", parts.block_table_cls) is not parts.block_table_cls:
+        wrong.append(f"block_table_cls=parts.block_table_cls (the engine uses {eng.scheduler.block_table_cls.__name__})")
+    fn = getattr(getattr(eng, "backend", None), "paged_attention", None)
+    if fn is not None and fn is not parts.attention:
+        wrong.append(f"attention=parts.attention (the engine's attention is {getattr(fn, '__module__', '')}.{getattr(fn, '__name__', fn)})")
+    if wrong:
+        raise CheckFailed(f"{NAME}: your engine does not use all of your parts. Pass " + "; ".join(wrong)
+                          + ".\n\nHint: the point of this workbook is to serve the model with YOUR code: give LLM(...) "
+                            "every part from `parts`, and pass **engine_args on unchanged.")
+
+
+def check_engine(build_engine: Callable, folder: str | os.PathLike | None = None, timeout: float = 900) -> None:
+    """``build_engine(model, tokenizer, parts, **engine_args)`` -> an LLM with your parts; its greedy
+    answers must equal the reference engine's, token for token."""
+    if is_stub(build_engine):
+        raise not_implemented(getattr(build_engine, "__name__", "build_engine"))
+    state = {"current": "loading your parts"}
+
+    def body():
+        from ..engine import LLM
+
+        parts = load_parts(folder, verbose=False)
+        state["current"] = "loading SmolLM2-135M-Instruct"
+        model, tok = model_and_tokenizer()
+        state["current"] = "serving the prompts with the reference engine"
+        t = time.perf_counter()
+        ref = LLM(model, tok, attention="torch", **ENGINE_ARGS)
+        exp = _generate(ref, PROMPTS, "the reference engine")
+        t_ref = time.perf_counter() - t
+        state["current"] = "serving the prompts with your engine"
+        llm = _build(build_engine, model, tok, parts, ENGINE_ARGS)
+        _check_plugged(llm, parts)
+        t = time.perf_counter()
+        got = _generate(llm, PROMPTS, "your engine")
+        t_mine = time.perf_counter() - t
+        if not isinstance(got, list) or len(got) != len(PROMPTS):
+            raise CheckFailed(f"{NAME}: your engine returned {type(got).__name__} for {len(PROMPTS)} prompts; "
+                              "expected a list of one output per prompt.")
+        if _tokens(got) != _tokens(exp):
+            raise _mismatch(exp, got, parts, build_engine, model, tok, state)
+        stats = llm.engine.stats() if hasattr(llm, "engine") else {}
+        w = max(len(p) for p in PROMPTS[:3])
+        print(f"  {'prompt'.ljust(w)}  answer (yours = the reference's)")
+        for p, o in zip(PROMPTS, got):
+            shown = (p if len(p) <= w else p[: w - 3] + "...").ljust(w)
+            ans = repr(o.text) if o.finish_reason != "rejected" else f"rejected: {o.error}"
+            print(f"  {shown}  {ans}")
+        pre = stats.get("preemptions", "?")
+        passed(f"your allocator, block table, attention and scheduler serve SmolLM2 with the reference's greedy tokens: "
+               f"{len(PROMPTS)} prompts ({MAX_TOKENS} tokens each, one rejected), {ENGINE_ARGS['num_blocks']} blocks of "
+               f"{ENGINE_ARGS['block_size']} tokens, {pre} preemption(s), chunks of {ENGINE_ARGS['max_num_batched_tokens']} "
+               f"tokens. Your engine took {t_mine:.1f} s, the reference {t_ref:.1f} s.")
+
+    run_with_time_limit(body, timeout, NAME, lambda: state["current"])
+
+
+def _mismatch(exp, got, parts: Parts, build_engine, model, tok, state) -> CheckFailed:
+    lines = []
+    first = None
+    for i, (p, e, g) in enumerate(zip(PROMPTS, exp, got)):
+        if (list(e.token_ids), e.finish_reason) == (list(g.token_ids), g.finish_reason):
+            continue
+        if first is None:
+            first = i
+        k = next((j for j, (a, b) in enumerate(zip(e.token_ids, g.token_ids)) if a != b), min(len(e.token_ids), len(g.token_ids)))
+        lines.append(f"  prompt {i} {p[:40]!r}:\n    reference: {e.text!r} {list(e.token_ids)} ({e.finish_reason})\n"
+                     f"    yours:     {g.text!r} {list(g.token_ids)} ({g.finish_reason}); first difference at token {k}")
+    # Which part is to blame: swap in minipaged's own, one part at a time.
+    from .. import BlockAllocator, BlockTable, Scheduler
+    from ..attention.reference import paged_attention as ref_attention
+
+    swaps = [("allocator (02)", dict(allocator_cls=BlockAllocator)), ("block table (03)", dict(block_table_cls=BlockTable)),
+             ("attention (04/05)", dict(paged_attention=ref_attention, paged_decode=None)),
+             ("scheduler (06)", dict(scheduler_cls=Scheduler))]
+    blame = []
+    for name, change in swaps:
+        state["current"] = f"serving again with minipaged's {name}"
+        fields = {f.name: getattr(parts, f.name) for f in dataclasses.fields(Parts)}
+        trial = Parts(**{**fields, **change})
+        try:
+            outs = _generate(_build(build_engine, model, tok, trial, ENGINE_ARGS), PROMPTS, "the engine")
+        except CheckFailed:
+            continue
+        if _tokens(outs) == _tokens(exp):
+            blame.append(name)
+    if blame:
+        hint = (f"with minipaged's {blame[0]} instead of yours, the answers match: the difference is in your {blame[0]}. "
+                "It passes its own check, so look at what the engine adds: several sequences at once, tensors of the "
+                "model's dtype and device, preemption and recompute.")
+    else:
+        hint = ("no single part explains it: swapping any one of yours for minipaged's does not fix it. Check build_engine "
+                "passes every part and ENGINE_ARGS on to LLM(...).")
+    return CheckFailed(f"{NAME}: your engine's greedy answers differ from the reference engine's.\n\n" + "\n".join(lines)
+                       + f"\n\nEngine settings: {ENGINE_ARGS}, max_tokens={MAX_TOKENS}, temperature=0.\n\nHint: " + hint)
+
+
+__all__ = ["Parts", "load_parts", "check_engine", "model_and_tokenizer", "PROMPTS", "ENGINE_ARGS"]
