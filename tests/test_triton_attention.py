@@ -143,6 +143,17 @@ def test_decode_without_head_grouping_matches():
     check_both_oracles(out, case, "decode (group_heads=False)")
 
 
+@pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float16), (torch.float16, torch.float32)])
+def test_query_dtype_may_differ_from_the_cache(q_dtype, cache_dtype):
+    """As with an fp32 model over an fp16 KV cache: q is cast to the cache's dtype in the kernel."""
+    for build in (decode_case, prefill_case):
+        case = build(4, 2, 64, 16, cache_dtype)
+        case.q = case.q.to(q_dtype)
+        out = tp.paged_attention(*case.args(), out=nan_like(case.q))
+        assert out.dtype == q_dtype
+        check_both_oracles(out, case, f"{build.__name__}, q {q_dtype}, cache {cache_dtype}")
+
+
 def test_prefill_kernel_also_serves_a_decode_batch():
     case = decode_case(4, 1, 64, 16, torch.float16)
     check_both_oracles(tp.paged_prefill(*case.args(), out=nan_like(case.q)), case, "prefill kernel on q_len == 1")
@@ -273,7 +284,9 @@ def test_paged_attention_end_to_end_with_out():
 def test_clear_errors():
     case = decode_case(6, 2, 16, 8, torch.float32)
     with pytest.raises(TypeError, match="share a dtype"):
-        tp.paged_attention(case.q.half(), *case.args()[1:])
+        tp.paged_attention(case.q, case.k_cache, case.v_cache.half(), *case.args()[3:])
+    with pytest.raises(TypeError, match="not torch.int64"):
+        tp.paged_attention(case.q.long(), *case.args()[1:])
     with pytest.raises(ValueError, match="not a multiple"):
         tp.paged_attention(case.q[:, :5], *case.args()[1:])
     if tp.INTERPRETED:
@@ -295,6 +308,7 @@ def test_kernel_benchmark_without_gpu_says_so(monkeypatch, tmp_path, capsys):
     assert json.loads((tmp_path / "k.json").read_text())["device"] is None
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_kernel_benchmark_case_and_table(monkeypatch):
     """Everything in a benchmark case but the CUDA timing: the pool, the rotated block tables,
     the dense copies, the correctness check, every peer's call, the ratios and the table."""
@@ -332,3 +346,27 @@ def test_kernel_benchmark_case_and_table(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # The engine on a tiny random Llama: the same greedy tokens with either backend
 # ----------------------------------------------------------------------------------------------
+def test_engine_greedy_tokens_match_the_torch_backend(tiny_model, monkeypatch):
+    """A tiny random Llama served by the engine: chunked prefills mixed with decodes in one step
+    (a small token budget), block size 8; attention="triton" must pick the very same greedy tokens."""
+    from minipaged.engine import LLMEngine, generate_all
+    from minipaged.sampling import SamplingParams
+
+    model, tok = tiny_model
+    g = torch.Generator().manual_seed(seed := fresh_seed())
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (1, 7, 8, 9, 30)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    launches = {"decode": 0, "prefill": 0}
+    for name in launches:
+        kernel = getattr(tp, f"paged_{name}")
+        monkeypatch.setattr(tp, f"paged_{name}", lambda *a, _k=kernel, _n=name, **kw: launches.__setitem__(_n, launches[_n] + 1) or _k(*a, **kw))
+    tokens = {}
+    for attention in ("torch", "triton"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine = LLMEngine(model, tok, attention=attention, block_size=8, num_blocks=48, max_num_batched_tokens=24, record_trace=False)
+        assert engine.backend.name == attention
+        tokens[attention] = [o.token_ids for o in generate_all(engine, prompts, params)]
+    assert launches["decode"] > 0 and launches["prefill"] > 0, launches
+    for i, (want, got) in enumerate(zip(tokens["torch"], tokens["triton"])):
+        assert got == want, f"prompt {i} ({len(prompts[i])} tokens): triton {got} vs torch {want}; seed={seed}"

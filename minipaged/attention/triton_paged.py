@@ -113,7 +113,7 @@ def _paged_decode_kernel(
     q = tl.load(
         q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
         mask=head_mask[:, None] & d_mask[None, :], other=0.0,
-    )  # (BLOCK_H, BLOCK_D)
+    ).to(k_cache_ptr.dtype.element_ty)  # (BLOCK_H, BLOCK_D), in the cache's dtype for tl.dot
 
     # Online softmax, per query head (row), in fp32. After the tiles seen so far:
     #   m   = the largest score so far (in log2 units),
@@ -252,6 +252,7 @@ def _paged_prefill_kernel(
     offs_t = tl.arange(0, TILE)
     q_rows = tok.to(tl.int64) * stride_qt + heads * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)  # (BLOCK_M, BLOCK_D)
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -329,11 +330,12 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         raise ValueError(f"q has head_dim {q.shape[2]} but the cache has head_dim {k_cache.shape[3]}")
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"num_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache.shape[2]}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(f"q, k_cache and v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"the Triton kernels take float32, float16 or bfloat16, not {q.dtype}")
-    if INTERPRETED and q.dtype == torch.bfloat16:
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype} and {v_cache.dtype}")
+    for t in (q, k_cache):  # q may differ from the cache: the kernels cast it to the cache's dtype
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"the Triton kernels take float32, float16 or bfloat16, not {t.dtype}")
+    if INTERPRETED and torch.bfloat16 in (q.dtype, k_cache.dtype):
         raise TypeError(
             "Triton's CPU interpreter has no bfloat16 arithmetic: use float16 or float32 here, "
             "or attention='torch' (bfloat16 works with the Triton kernels on a GPU)"
@@ -446,7 +448,7 @@ def paged_decode(
         *(part_m.stride()[:2] if num_splits > 1 else (0, 0)),
         QUERIES_PER_KV=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_H=_pow2(heads_per_program, 16),
         HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16), BLOCK_SIZE=block_size, TILE=tile,
-        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
+        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(k_cache.dtype),
     )
     if num_splits > 1:
         _split_kv_reduce_kernel[(num_seqs, num_heads)](
@@ -510,7 +512,7 @@ def paged_prefill(
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         QUERIES_PER_KV=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16), BLOCK_SIZE=block_size, TILE=_pow2(tile, 16),
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(k_cache.dtype),
         num_warps=4 if head_dim <= 128 else 8,
     )
     return out

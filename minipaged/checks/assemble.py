@@ -148,7 +148,8 @@ def load_parts(folder: str | os.PathLike | None = None, learner: str | None = No
         note = f" (of {len(candidates)} candidates, the newest)" if len(candidates) > 1 else ""
         rows.append((stem, "ok", path.name + note))
     if problems:
-        msg = (f"{NAME}: {len(problems)} of your parts cannot be used yet:\n"
+        names = ", ".join(p.split(".ipynb")[0] for p in problems)
+        msg = (f"{NAME}: {len(problems)} of your parts cannot be used yet ({names}):\n"
                + "\n".join(f"  - {p}" for p in problems)
                + "\n\nOpen that workbook, make its check cells pass, save it (Ctrl+S), then run this cell again. "
                + (_where_hint(root) if any("not found" in p for p in problems) else ""))
