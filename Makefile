@@ -25,12 +25,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The README's figures: measure, then rewrite the README's generated blocks from the JSON.
 bench: $(STAMP)
-	$(VENV)/bin/minipaged bench
+	$(VENV)/bin/minipaged bench --json docs/figures/bench.json --plots docs/figures
+	$(PY) scripts/update_readme.py
 
 # Re-execute the lessons and store them with their outputs.
 notebooks: $(STAMP)
 	$(PY) scripts/run_notebooks.py
+	$(PY) scripts/update_readme.py
 
 # Regenerate the learners' workbooks from the solved ones.
 exercises: $(STAMP)

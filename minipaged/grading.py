@@ -200,13 +200,15 @@ def grade_notebook(sub: Submission, timeout: float = 600) -> list[Row]:
 
 
 # -- the scoreboard -------------------------------------------------------------------------------
-def _missing_rows(subs: list[Submission], by_folder: bool) -> list[Row]:
+def _missing_rows(subs: list[Submission], file_rows: list[Row], by_folder: bool) -> list[Row]:
     """In a class folder, the workbooks someone submitted that a learner did not."""
     if not by_folder:
         return []
     seen: dict[str, set] = {}
     for s in subs:
         seen.setdefault(s.learner, set()).add(s.workbook)
+    for r in file_rows:  # a broken file still counts as handed in
+        seen.setdefault(r.learner, set()).add(r.workbook)
     all_wb = sorted({w for ws in seen.values() for w in ws if w in WORKBOOKS})
     rows = []
     for learner, ws in sorted(seen.items()):
@@ -269,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600, metavar="S", help="time limit per cell in seconds (default 600)")
     args = p.parse_args(argv)
     subs, rows = discover(args.paths)
+    file_rows = list(rows)
     by_folder = any(Path(x).is_dir() for x in args.paths)
     if not subs and not rows:
         print("no workbooks found in " + ", ".join(args.paths), file=sys.stderr)
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 r.check = f"{r.check} [{s.path.name}]"
         rows.extend(graded)
         print(f"  done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
-    rows.extend(_missing_rows(subs, by_folder))
+    rows.extend(_missing_rows(subs, file_rows, by_folder))
     rows.sort(key=lambda r: (r.learner, order.get(r.workbook, 99), r.workbook))
     print_scoreboard(rows)
     if args.csv:

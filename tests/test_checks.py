@@ -246,3 +246,38 @@ def test_scheduler_replay_gives_both_states() -> None:
 def test_case_replay_matches() -> None:
     case = pa.case_named("chunk: 3 new tokens over a cached prefix of 6")
     assert torch.allclose(paged_attention(*case.args()), pa.variant_attention(case), atol=1e-5)
+
+
+def test_engine_mismatch_names_the_part_to_blame(tmp_path, monkeypatch, one_thread) -> None:
+    """Parts that pass their own checks but differ inside the engine: the check swaps in
+    minipaged's parts one at a time and names the one that makes the answers match."""
+    from minipaged.checks import assemble
+    from minipaged.engine import LLM
+
+    folder = tmp_path / "learner"
+    folder.mkdir()
+    for stem in ("02_block_allocator", "03_block_table", "04_paged_attention_torch", "06_scheduler"):
+        shutil.copy(SOLUTIONS / f"{stem}.ipynb", folder)
+    load = assemble.load_parts
+
+    def load_with_drifting_attention(*args, **kwargs):
+        parts = load(*args, **kwargs)
+        good, calls = parts.paged_attention, [0]
+
+        def paged_attention(q, *rest):  # right for a while, then off: what no single check case sees
+            calls[0] += 1
+            out = good(q, *rest)
+            return out * 1.5 if calls[0] > 100 and q.shape[0] > 1 else out
+
+        parts.paged_attention = paged_attention
+        return parts
+
+    monkeypatch.setattr(assemble, "load_parts", load_with_drifting_attention)
+
+    def build_engine(model, tokenizer, parts, **engine_args):
+        return LLM(model, tokenizer, allocator_cls=parts.allocator_cls, block_table_cls=parts.block_table_cls,
+                   scheduler_cls=parts.scheduler_cls, attention=parts.attention, **engine_args)
+
+    with pytest.raises(CheckFailed, match="differ from the reference engine") as info:
+        assemble.check_engine(build_engine, folder)
+    assert "with minipaged's attention (04/05) instead of yours, the answers match" in str(info.value)

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from minipaged.attention import get_backend, triton_available  # noqa: E402
+from minipaged.attention import get_backend, triton_available
 
 if not triton_available():  # not importorskip: triton must not be imported before the interpreter is on
     pytest.skip("Triton is not installed (no wheel for this platform)", allow_module_level=True)
@@ -47,7 +47,7 @@ SHAPES = [
     (4, 1, 128, 8),
     (16, 2, 64, 16),
     (3, 3, 80, 32),
-    (6, 1, 48, 128),
+    (3, 1, 48, 128),
 ]
 SHAPE_IDS = [f"h{h}-kv{k}-d{d}-bs{b}" for h, k, d, b in SHAPES]
 
@@ -197,7 +197,7 @@ def _huge_kv_pool(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
         free, _ = torch.cuda.mem_get_info()
         if free < nbytes + 2**30:
             pytest.skip(f"needs {nbytes / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
-        kv = torch.empty(shape, dtype=dtype, device=DEVICE)
+        kv = torch.zeros(shape, dtype=dtype, device=DEVICE)  # zeros: the reference reads whole blocks
     else:
         path = tmp_path / "pool.bin"
         try:

@@ -89,6 +89,9 @@ def _paged_decode_kernel(
 ):
     # What a program owns: one sequence, HEADS_PER_PROGRAM query heads that all read the same KV
     # head, and one split (a range of the context; the whole context when NUM_SPLITS == 1).
+    # Splits exist for small batches: 1 sequence x 8 KV heads is 8 programs, far too few to keep
+    # a GPU's ~100 SMs reading, so a long context is cut into ranges read in parallel and
+    # _split_kv_reduce_kernel merges their partial softmaxes.
     #
     # Why GQA grouping saves bandwidth: decode does ~2 flops per byte of K/V it reads, so its
     # time is the time to read the cache. With 32 query heads over 8 KV heads, a program per

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -350,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         systems=tuple(s.strip() for s in a.systems.split(",") if s.strip()), model_path=a.model,
         attention=a.attention, chat_prompts=a.chat_prompts, seed=a.seed, progress=not a.no_progress,
     )
+    res["command"] = " ".join(["minipaged bench", *(argv if argv is not None else sys.argv[1:])])
     print()
     print(f"workload: {res['workload']['description']}")
     kb = res["kv_budget"]

@@ -59,8 +59,8 @@ def learner_from_name(filename: str, stem: str | None) -> str:
     """What is left of a file name once the workbook's name is taken out: 'alice' from
     'alice_02_block_allocator.ipynb' or '02_block_allocator (alice).ipynb'; '' if nothing."""
     name = Path(filename).name
-    if name.lower().endswith(".ipynb"):
-        name = name[: -len(".ipynb")]
+    if "." in name:
+        name = name[: name.rindex(".")]
     low = name.lower()
     if stem and stem in low:
         i = low.index(stem)

@@ -231,8 +231,14 @@ def _check_plugged(llm, parts: Parts) -> None:
     fn = getattr(getattr(eng, "backend", None), "paged_attention", None)
     if fn is not None and fn is not parts.attention:
         wrong.append(f"attention=parts.attention (the engine's attention is {getattr(fn, '__module__', '')}.{getattr(fn, '__name__', fn)})")
+    asked = {"block_size": getattr(eng, "block_size", None), "num_blocks": getattr(eng.allocator, "num_blocks", None),
+             "max_num_seqs": getattr(eng.scheduler, "max_num_seqs", None),
+             "max_num_batched_tokens": getattr(eng.scheduler, "max_num_batched_tokens", None)}
+    differs = [f"{k}={asked[k]} (asked for {v})" for k, v in ENGINE_ARGS.items() if k in asked and asked[k] != v]
+    if differs:
+        wrong.append("**engine_args unchanged: your engine has " + ", ".join(differs))
     if wrong:
-        raise CheckFailed(f"{NAME}: your engine does not use all of your parts. Pass " + "; ".join(wrong)
+        raise CheckFailed(f"{NAME}: your engine does not use all of your parts and settings. Pass " + "; ".join(wrong)
                           + ".\n\nHint: the point of this workbook is to serve the model with YOUR code: give LLM(...) "
                             "every part from `parts`, and pass **engine_args on unchanged.")
 
