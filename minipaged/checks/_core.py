@@ -95,8 +95,9 @@ def run_with_time_limit(fn: Callable[[], Any], seconds: float, name: str, where:
         hasattr(signal, "setitimer")
         and threading.current_thread() is threading.main_thread()
         and os.environ.get("MINIPAGED_CHECK_NO_ALARM") != "1"
-        and signal.getitimer(signal.ITIMER_REAL)[0] == 0  # someone else's alarm is running: leave it be
     )
+    if use_alarm and signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        return fn()  # an outer time limit (another check's, pytest-timeout's) is running and covers this one
     if use_alarm:
         try:
             with _alarm(seconds):

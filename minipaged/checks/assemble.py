@@ -91,9 +91,15 @@ def _where_hint(folder: Path) -> str:
 
 
 def load_parts(folder: str | os.PathLike | None = None, learner: str | None = None, verbose: bool = True,
-               use_triton: bool | None = None) -> Parts:
+               use_triton: bool | None = None, timeout: float = 300) -> Parts:
     """Your allocator (02), block table (03), attention (04), scheduler (06), and on a GPU your
     Triton decode (05), taken from your workbook files in ``folder``, each checked again."""
+    state = {"current": "running your workbooks' code cells"}
+    return run_with_time_limit(lambda: _load_parts(folder, learner, verbose, use_triton, state), timeout, NAME,
+                               lambda: state["current"])
+
+
+def _load_parts(folder, learner, verbose, use_triton, state) -> Parts:
     import importlib
 
     root = _folder(folder)
@@ -106,6 +112,7 @@ def load_parts(folder: str | os.PathLike | None = None, learner: str | None = No
     stub = False
     rows = []
     for stem, names, module, fn_name, pick in wanted:
+        state["current"] = f"the code cells and the check of your {stem}"
         path, candidates = find_workbook(root, stem, learner)
         if path is None:
             problems.append(f"{stem}.ipynb: not found in {root}")
@@ -228,9 +235,12 @@ def _check_plugged(llm, parts: Parts) -> None:
         wrong.append(f"scheduler_cls=parts.scheduler_cls (the engine's scheduler is a {type(eng.scheduler).__name__})")
     if getattr(eng.scheduler, "block_table_cls", parts.block_table_cls) is not parts.block_table_cls:
         wrong.append(f"block_table_cls=parts.block_table_cls (the engine uses {eng.scheduler.block_table_cls.__name__})")
-    fn = getattr(getattr(eng, "backend", None), "paged_attention", None)
-    if fn is not None and fn is not parts.attention:
-        wrong.append(f"attention=parts.attention (the engine's attention is {getattr(fn, '__module__', '')}.{getattr(fn, '__name__', fn)})")
+    from ..attention.reference import paged_attention as ref_attention
+
+    backend = getattr(eng, "backend", None)
+    fn = getattr(backend, "paged_attention", None)
+    if fn is ref_attention or getattr(backend, "name", None) in ("torch", "triton"):
+        wrong.append(f"attention=parts.attention (the engine uses minipaged's own {getattr(backend, 'name', '')} attention)")
     asked = {"block_size": getattr(eng, "block_size", None), "num_blocks": getattr(eng.allocator, "num_blocks", None),
              "max_num_seqs": getattr(eng.scheduler, "max_num_seqs", None),
              "max_num_batched_tokens": getattr(eng.scheduler, "max_num_batched_tokens", None)}

@@ -44,6 +44,14 @@ class Case:
     scale: float
     seqs: list = field(default_factory=list)  # [(context_len, q_len)]
 
+    def cpu(self) -> "Case":
+        if self.q.device.type == "cpu":
+            return self
+        c = Case(**{**self.__dict__})
+        for name in ("q", "k_cache", "v_cache", "block_tables", "context_lens", "query_start_loc"):
+            setattr(c, name, getattr(self, name).cpu())
+        return c
+
     def args(self) -> tuple:
         return (self.q.clone(), self.k_cache.clone(), self.v_cache.clone(), self.block_tables.clone(),
                 self.context_lens.clone(), self.query_start_loc.clone(), self.scale)
@@ -229,6 +237,9 @@ def attention_cases(decode_only: bool = False) -> list[Case]:
 
 
 def compare_case(case: Case, got, name: str, fn_name: str, atol: float, rtol: float) -> None:
+    case = case.cpu()  # the oracle and the pictures run on the CPU, whatever device the learner's code used
+    if isinstance(got, torch.Tensor):
+        got = got.detach().cpu()
     exp = ref_paged_attention(*case.args())
     call = f"{fn_name}(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)"
     replay = (f"To replay: from minipaged.checks import paged_attention as pa\n"

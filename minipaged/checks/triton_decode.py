@@ -87,7 +87,7 @@ def _no_rescale(case: Case) -> torch.Tensor:
 
 def _device_case(case: Case, device: str) -> Case:
     if device == "cpu":
-        return case
+        return case.cpu()
     c = Case(**{**case.__dict__})
     for name in ("q", "k_cache", "v_cache", "block_tables", "context_lens", "query_start_loc"):
         setattr(c, name, getattr(case, name).to(device))
@@ -120,7 +120,7 @@ def check_decode(paged_decode: Callable, kernel=None, timeout: float = DEFAULT_T
             if case is not None and any(ctx > case.k_cache.shape[1] for ctx, _ in case.seqs):
                 try:
                     got = paged_decode(*case.args())
-                    alt = _no_rescale(_device_case(case, "cpu"))
+                    alt = _no_rescale(case.cpu())
                     if torch.allclose(got.float().cpu(), alt, atol=atol * 10, rtol=rtol * 10):
                         raise CheckFailed(msg.split("\n\nHint:")[0] + (
                             "\n\nHint: your output matches an online softmax that does not rescale: when a new block raises "
