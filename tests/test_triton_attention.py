@@ -281,6 +281,37 @@ def test_paged_attention_end_to_end_with_out():
         check_both_oracles(out, case, "paged_attention")
 
 
+def test_a_smaller_tile_is_tried_when_the_gpu_lacks_shared_memory(monkeypatch):
+    """A T4 has 64 KiB of shared memory per block: fp32 prefill at head_dim 128 needs a smaller
+    tile than an A100 or H100 takes. Simulated: configs above a size raise OutOfResources."""
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    class SmallGpu:
+        def __init__(self, kernel, limit):
+            self.kernel, self.limit = kernel, limit
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                tried.append((kw.get("BLOCK_M"), kw["TILE"]))
+                if kw["TILE"] > self.limit:
+                    raise OutOfResources(2 * 65536, 65536, "shared memory")
+                return self.kernel[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(tp, "_fitting", {})
+    monkeypatch.setattr(tp, "_paged_prefill_kernel", SmallGpu(tp._paged_prefill_kernel, 32))
+    monkeypatch.setattr(tp, "_paged_decode_kernel", SmallGpu(tp._paged_decode_kernel, 16))
+    for _ in range(2):  # the second call starts from the config that fitted
+        case = prefill_case(4, 2, 64, 16, torch.float32)
+        check_both_oracles(tp.paged_prefill(*case.args(), out=nan_like(case.q)), case, "prefill on a small GPU")
+        case = decode_case(4, 2, 64, 16, torch.float32)
+        check_both_oracles(tp.paged_decode(*case.args()[:5], case.scale, out=nan_like(case.q)), case, "decode on a small GPU")
+    assert tried == [(64, 64), (64, 32), (None, 64), (None, 32), (None, 16), (64, 32), (None, 16)]
+
+
 def test_clear_errors():
     case = decode_case(6, 2, 16, 8, torch.float32)
     with pytest.raises(TypeError, match="share a dtype"):

@@ -16,10 +16,12 @@ strides; token ``t`` of a sequence lives in block ``block_table[t // block_size]
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * LOG2E); exp2 is the instruction the GPU has
 
@@ -305,10 +307,26 @@ if INTERPRETED != (type(tl.sum).__name__ == "InterpretedFunction"):
         "these kernels disagree on whether they are interpreted. Restart Python and set TRITON_INTERPRET=1 "
         "before anything imports triton (get_backend('triton') does it for you if it comes first)."
     )
-DECODE_TILE = 64  # context tokens per decode loop iteration (any power of two >= 16)
-PREFILL_BLOCK_M = 64  # query rows (token x head) per prefill program
-PREFILL_TILE = 64  # context tokens per prefill loop iteration
+# Tile sizes, largest first. A GPU with less shared memory per block than the first needs (a T4
+# with fp32 and head_dim 128, say) raises OutOfResources at launch; the next one is tried then,
+# and the one that fits is remembered for that device and shape.
+DECODE_TILES = (64, 32, 16)  # context tokens per decode loop iteration
+PREFILL_CONFIGS = ((64, 64), (64, 32), (32, 32), (16, 16))  # (query rows per program, context tokens per iteration)
 MIN_TOKENS_PER_SPLIT = 256  # split-KV never cuts the context finer than this
+_fitting: dict[tuple, int] = {}
+
+
+def _launch_first_that_fits(key: tuple, configs: tuple, launch: Callable[[Any], None]) -> None:
+    """``launch(config)`` with the first config that fits the GPU, starting from the one that fitted last time."""
+    for i in range(_fitting.get(key, 0), len(configs)):
+        try:
+            launch(configs[i])
+        except OutOfResources:
+            if i == len(configs) - 1:
+                raise
+            continue
+        _fitting[key] = i
+        return
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
@@ -413,7 +431,7 @@ def paged_decode(
     *,
     num_splits: int | None = None,  # None: choose_num_splits; 1 switches split-KV off
     group_heads: bool = True,  # False: a program per query head (reads each KV block once per head)
-    tile: int = DECODE_TILE,
+    tile: int | None = None,  # None: the largest of DECODE_TILES that fits the GPU
 ) -> torch.Tensor:
     """Decode attention over the paged cache: query token s attends to all context_lens[s] tokens."""
     _check(q, k_cache, v_cache, block_tables)
@@ -433,8 +451,6 @@ def paged_decode(
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_seqs * num_heads // heads_per_program, max_context, q.device)
-    tile = _pow2(tile, 16)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), tile) * tile
     context_lens = context_lens.contiguous()
     if num_splits > 1:
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -443,16 +459,23 @@ def paged_decode(
     else:  # unused by the kernel; any tensor will do as a placeholder pointer
         part_acc = part_m = part_l = out
     grid = (num_seqs, num_heads // heads_per_program, num_splits)
-    _paged_decode_kernel[grid](
-        out, part_acc, part_m, part_l, q, k_cache, v_cache, block_tables, context_lens,
-        scale * LOG2E, tokens_per_split,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        *(part_acc.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-        *(part_m.stride()[:2] if num_splits > 1 else (0, 0)),
-        QUERIES_PER_KV=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_H=_pow2(heads_per_program, 16),
-        HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16), BLOCK_SIZE=block_size, TILE=tile,
-        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(k_cache.dtype),
-    )
+
+    def launch(tile: int) -> None:
+        tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), tile) * tile
+        _paged_decode_kernel[grid](
+            out, part_acc, part_m, part_l, q, k_cache, v_cache, block_tables, context_lens,
+            scale * LOG2E, tokens_per_split,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+            *(part_acc.stride()[:3] if num_splits > 1 else (0, 0, 0)),
+            *(part_m.stride()[:2] if num_splits > 1 else (0, 0)),
+            QUERIES_PER_KV=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_H=_pow2(heads_per_program, 16),
+            HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16), BLOCK_SIZE=block_size, TILE=tile,
+            NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(k_cache.dtype),
+        )
+
+    tiles = DECODE_TILES if tile is None else (_pow2(tile, 16),)
+    key = ("decode", q.device, k_cache.dtype, head_dim, heads_per_program, block_size, num_splits > 1)
+    _launch_first_that_fits(key, tiles, launch)
     if num_splits > 1:
         _split_kv_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_m, part_l, *out.stride(), *part_acc.stride()[:3], *part_m.stride()[:2],
@@ -485,8 +508,8 @@ def paged_prefill(
     scale: float,
     out: torch.Tensor | None = None,
     *,
-    block_m: int = PREFILL_BLOCK_M,
-    tile: int = PREFILL_TILE,
+    block_m: int | None = None,  # None (both): the largest of PREFILL_CONFIGS that fits the GPU
+    tile: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix and themselves."""
     _check(q, k_cache, v_cache, block_tables)
@@ -503,21 +526,29 @@ def paged_prefill(
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_m = _pow2(max(block_m, group), 16)
-    block_q = block_m // group
     context_lens = context_lens.contiguous()
     query_start_loc = query_start_loc.contiguous()
-    tile_seq = _query_tiles(query_start_loc, block_q, num_tokens)
-    grid = (tile_seq.shape[0], num_kv_heads)
-    _paged_prefill_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, tile_seq,
-        scale * LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        QUERIES_PER_KV=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16), BLOCK_SIZE=block_size, TILE=_pow2(tile, 16),
-        DOT_PRECISION=_dot_precision(k_cache.dtype),
-        num_warps=4 if head_dim <= 128 else 8,
-    )
+
+    def launch(config: tuple[int, int]) -> None:
+        block_m = _pow2(max(config[0], group), 16)  # a program holds at least one token's whole group
+        block_q = block_m // group
+        tile_seq = _query_tiles(query_start_loc, block_q, num_tokens)
+        _paged_prefill_kernel[(tile_seq.shape[0], num_kv_heads)](
+            out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, tile_seq,
+            scale * LOG2E,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+            QUERIES_PER_KV=group, BLOCK_M=block_m, BLOCK_Q=block_q,
+            HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16), BLOCK_SIZE=block_size, TILE=_pow2(config[1], 16),
+            DOT_PRECISION=_dot_precision(k_cache.dtype),
+            num_warps=4 if head_dim <= 128 else 8,
+        )
+
+    if block_m is None and tile is None:
+        configs = PREFILL_CONFIGS
+    else:
+        configs = ((block_m or PREFILL_CONFIGS[0][0], tile or PREFILL_CONFIGS[0][1]),)
+    key = ("prefill", q.device, k_cache.dtype, head_dim, group, block_size)
+    _launch_first_that_fits(key, configs, launch)
     return out
 
 

@@ -1,0 +1,175 @@
+"""The lessons in notebooks/: their shape (fast) and that each still executes and matches its
+stored checked outputs (slow: nbval, one lesson per test).
+
+A stored lesson is out of date when it no longer executes, or when a cell marked
+``# NBVAL_CHECK_OUTPUT`` prints something other than what is stored. Regenerate with
+``make notebooks`` (scripts/run_notebooks.py).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+LESSONS = [
+    "00_setup_and_tour",
+    "01_kv_cache",
+    "02_block_allocator",
+    "03_page_table",
+    "04_paged_attention_torch",
+    "05_triton_kernel",
+    "06_continuous_batching",
+    "07_whole_engine",
+]
+# The workbook each lesson points to at its end (00 has none; 05's is the Triton kernel workbook).
+WORKBOOK = {
+    "01_kv_cache": "01_kv_cache_math",
+    "02_block_allocator": "02_block_allocator",
+    "03_page_table": "03_block_table",
+    "04_paged_attention_torch": "04_paged_attention_torch",
+    "05_triton_kernel": "05_triton_decode_kernel",
+    "06_continuous_batching": "06_scheduler",
+    "07_whole_engine": "07_assemble",
+}
+MAX_CELL_LINES = 30
+
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def load(name: str) -> dict:
+    return json.loads((NOTEBOOKS / f"{name}.ipynb").read_text(encoding="utf-8"))
+
+
+def src(cell: dict) -> str:
+    s = cell.get("source", "")
+    return "".join(s) if isinstance(s, list) else s
+
+
+def code_cells(nb: dict) -> list[dict]:
+    return [c for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+# -- shape (fast) ---------------------------------------------------------------------------
+def test_the_lessons_are_all_there_in_order():
+    found = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    assert found == LESSONS
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_first_code_cell_is_the_install_cell(name):
+    from minipaged.colab import install_cell_source
+
+    assert src(code_cells(load(name))[0]) == install_cell_source(), (
+        f"{name}: the first code cell is not minipaged.colab.install_cell_source(); run python scripts/stamp_colab.py"
+    )
+
+
+def test_stamp_check_passes_for_lessons_and_workbooks():
+    import stamp_colab
+
+    assert stamp_colab.main(["--check"]) == 0, "run: python scripts/stamp_colab.py"
+
+
+def test_stamping_is_idempotent_and_touches_nothing_else():
+    import stamp_colab
+    from minipaged.colab import CELL_MARKER, install_cell_source
+
+    bare = {
+        "cells": [
+            {"cell_type": "markdown", "id": "a", "metadata": {}, "source": ["# Title"]},
+            {"cell_type": "code", "id": "b", "metadata": {"tags": ["x"]}, "execution_count": 3,
+             "outputs": [{"output_type": "stream", "name": "stdout", "text": ["hi\n"]}], "source": ["print('hi')"]},
+        ],
+        "metadata": {"kernelspec": {"name": "python3"}}, "nbformat": 4, "nbformat_minor": 5,
+    }
+    nb = copy.deepcopy(bare)
+    assert stamp_colab.stamp(nb) is True
+    assert [c["id"] for c in nb["cells"]] == ["a", "minipaged-setup", "b"]
+    assert src(nb["cells"][1]) == install_cell_source()
+    assert nb["cells"][0] == bare["cells"][0] and nb["cells"][2] == bare["cells"][1] and nb["metadata"] == bare["metadata"]
+    once = stamp_colab.dumps(nb)
+    assert stamp_colab.stamp(nb) is False and stamp_colab.dumps(nb) == once
+    # An old install cell (it carries the marker) is replaced in place, not duplicated.
+    old = copy.deepcopy(nb)
+    old["cells"][1]["source"] = [f"{CELL_MARKER}: an older version\n", "print('old')"]
+    assert stamp_colab.stamp(old) is True
+    assert stamp_colab.dumps(old) == once
+
+
+def test_stamping_writes_what_nbformat_writes(tmp_path):
+    """A notebook already stamped is byte-for-byte unchanged by the script."""
+    import stamp_colab
+
+    for name in LESSONS[:2]:
+        text = (NOTEBOOKS / f"{name}.ipynb").read_text(encoding="utf-8")
+        assert stamp_colab.dumps(json.loads(text)) == text, f"{name}.ipynb is not in nbformat's on-disk form"
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_lesson_shape(name):
+    nb = load(name)
+    md = [src(c) for c in nb["cells"] if c["cell_type"] == "markdown"]
+    assert md and "**Goals**" in md[0], f"{name}: the first cell must state the lesson's goals"
+    closing = md[-1]
+    assert "vllm/" in closing, f"{name}: the closing cell must point to the matching part of vLLM's source"
+    if name in WORKBOOK:
+        assert f"exercises/{WORKBOOK[name]}.ipynb" in closing, f"{name}: the closing cell must point to its workbook"
+    for i, c in enumerate(code_cells(nb)[1:], 1):
+        n = len(src(c).splitlines())
+        assert n <= MAX_CELL_LINES, f"{name}: code cell {i} has {n} lines; keep cells short (<= {MAX_CELL_LINES})"
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_lesson_is_stored_executed_with_pictures(name):
+    nb = load(name)
+    cells = code_cells(nb)
+    unrun = [i for i, c in enumerate(cells) if c.get("execution_count") is None]
+    assert not unrun, f"{name}: code cells {unrun} were never run; regenerate with `make notebooks`"
+    counts = [c["execution_count"] for c in cells]
+    assert counts == sorted(counts), f"{name}: cells were not run top to bottom ({counts})"
+    errors = [i for i, c in enumerate(cells) for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, f"{name}: stored with errors in code cells {errors}"
+    images = sum("image/png" in o.get("data", {}) for c in cells for o in c.get("outputs", []))
+    assert images >= 1, f"{name}: no stored picture (plots must be visible on a repository page)"
+    widgets = [o for c in cells for o in c.get("outputs", []) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert not widgets, f"{name}: widget views were stored; run with MINIPAGED_STATIC=1 (scripts/run_notebooks.py)"
+
+
+def test_some_outputs_are_checked_and_stored():
+    checked = {name: [c for c in code_cells(load(name)) if "# NBVAL_CHECK_OUTPUT" in src(c)] for name in LESSONS}
+    for name in ("01_kv_cache", "03_page_table", "04_paged_attention_torch", "06_continuous_batching"):
+        assert checked[name], f"{name}: no cell is marked # NBVAL_CHECK_OUTPUT"
+    for name, cells in checked.items():
+        for c in cells:
+            assert c.get("outputs"), f"{name}: a # NBVAL_CHECK_OUTPUT cell has no stored output to compare with"
+
+
+def test_timings_table_lists_every_lesson():
+    text = (NOTEBOOKS / "timings.md").read_text(encoding="utf-8")
+    for name in LESSONS:
+        assert f"`{name}`" in text, f"notebooks/timings.md has no row for {name}: run `make notebooks`"
+    assert "all lessons" in text
+
+
+# -- execution (slow) -------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LESSONS)
+def test_lesson_executes_and_matches_stored_outputs(name):
+    env = dict(os.environ, MINIPAGED_STATIC="1", OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    cmd = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax", "--nbval-current-env",
+        "--nbval-cell-timeout=600", f"--nbval-sanitize-with={NOTEBOOKS / 'nbval_sanitize.cfg'}",
+        str(NOTEBOOKS / f"{name}.ipynb"),
+    ]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (
+        f"{name} no longer matches the code (it fails, or a # NBVAL_CHECK_OUTPUT cell prints something else). "
+        f"Fix the lesson or the code, then `make notebooks`.\n{r.stdout[-6000:]}\n{r.stderr[-2000:]}"
+    )
