@@ -81,7 +81,11 @@ def _info(args: argparse.Namespace) -> int:
     if triton_available():
         import triton
 
-        mode = "native (GPU)" if torch.cuda.is_available() else "interpreter on CPU (TRITON_INTERPRET=1, set by minipaged)"
+        mode = (
+            "natively on the GPU"
+            if torch.cuda.is_available()
+            else "in Triton's interpreter on the CPU (minipaged sets TRITON_INTERPRET=1 when you pick attention='triton')"
+        )
         print(f"triton {triton.__version__}: kernels run {mode}")
     else:
         print("triton: not installed (fine on macOS: attention='torch' is used)")

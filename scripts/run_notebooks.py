@@ -69,10 +69,19 @@ def execute(path: Path, timeout: int) -> tuple[object, float, tuple[float, int, 
             continue
         s = _cell_seconds(cell)
         if s is not None and s > slowest[0]:
-            slowest = (s, i, cell.source.strip().splitlines()[0][:60] if cell.source.strip() else "")
+            slowest = (s, i, _gist(cell.source))
         cell.metadata.pop("execution", None)  # timestamps would make every run a diff
         cell.outputs = coalesce_streams(cell.outputs)
     return nb, seconds, slowest
+
+
+def _gist(source: str) -> str:
+    """The first line of a cell that does something (not an import, a comment or a magic)."""
+    lines = [ln.strip() for ln in source.splitlines() if ln.strip()]
+    for ln in lines:
+        if not ln.startswith(("#", "%", "import ", "from ")):
+            return ln[:60]
+    return lines[0][:60] if lines else ""
 
 
 def coalesce_streams(outputs: list) -> list:

@@ -11,6 +11,8 @@ from pathlib import Path
 # Other work often shares these few CPU cores; OpenMP threads that spin while waiting for a
 # descheduled sibling then make small matmuls ~10x slower. Waiting passively costs little when idle.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# numpy (used by the Triton interpreter) should not start BLAS threads for its tiny matmuls.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

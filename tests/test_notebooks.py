@@ -63,6 +63,13 @@ def test_the_lessons_are_all_there_in_order():
 
 
 @pytest.mark.parametrize("name", LESSONS)
+def test_pointers_name_workbooks_the_course_has():
+    from minipaged.checks._workbooks import WORKBOOKS
+
+    assert set(WORKBOOK.values()) <= set(WORKBOOKS)
+
+
+@pytest.mark.parametrize("name", LESSONS)
 def test_first_code_cell_is_the_install_cell(name):
     from minipaged.colab import install_cell_source
 
