@@ -67,6 +67,8 @@ def run_static(
     (finished rows keep producing padding, as ``generate`` on a padded batch does).
     ``batch_size=1`` is the naive server: one request at a time."""
     cfg = model.config
+    if reserve_len > cfg.max_position_embeddings:
+        raise ValueError(f"reserve_len={reserve_len} is past the model's context ({cfg.max_position_embeddings} tokens)")
     p = next(model.parameters())
     blocks_per_seq = -(-reserve_len // block_size)
     allocator = BlockAllocator(blocks_per_seq * batch_size, block_size)

@@ -279,10 +279,8 @@ class LLMEngine:
     def _hit_stop_string(self, seq: Sequence) -> bool:
         if self.tokenizer is None:
             return False
-        tail = self.tokenizer.decode(seq.output_token_ids[-16:])
-        return any(s in tail for s in seq.sampling_params.stop) or any(
-            s in self.tokenizer.decode(seq.output_token_ids) for s in seq.sampling_params.stop
-        )
+        text = self.tokenizer.decode(seq.output_token_ids)
+        return any(s in text for s in seq.sampling_params.stop)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = ""

@@ -67,7 +67,7 @@ def test_greedy_batch_equals_transformers(smollm2, chat_ids, hf_greedy):
     assert len(got) == 8
     for i, (g, want) in enumerate(zip(got, hf_greedy)):
         assert g == _trim_at_eos(want), f"prompt {i} ({CHAT[i]!r}): minipaged {g} vs transformers {want}"
-    assert max(r.num_tokens if False else len(r.running) for r in eng.trace.steps) >= 8, "the 8 prompts never ran together"
+    assert max(len(r.running) for r in eng.trace.steps) == 8, "the 8 prompts never ran together"
 
 
 @pytest.mark.slow
@@ -90,7 +90,8 @@ def test_greedy_invariant_to_paging_and_scheduling(smollm2, chat_ids, hf_greedy,
     if "num_blocks" in kw and kw["num_blocks"] == 18:
         assert eng.scheduler.num_preemptions > 0, "the small pool was meant to force preemption"
     if "max_num_batched_tokens" in kw:
-        assert any(s.prefill_tokens and any(len(t[0]) for t in s.tables.values()) for s in eng.trace.steps)
+        # every prompt is longer than the budget, so each one was prefilled in several chunks
+        assert min(len(p) for p in chat_ids) > 24
         assert max(s.prefill_tokens + s.decode_tokens for s in eng.trace.steps) <= 24
 
 

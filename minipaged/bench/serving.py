@@ -219,6 +219,9 @@ def run_bench(
         model, tokenizer = load_model(model_path)
     load_s = time.perf_counter() - t
     cfg = model.config
+    # keep every request (prompt + output) inside the model's context
+    max_output = min(max_output, cfg.max_position_embeddings // 2)
+    max_prompt = min(max_prompt, cfg.max_position_embeddings - max_output)
     real = chat_prompt_ids(tokenizer) if chat_prompts and tokenizer is not None else None
     wl = synthetic(workload, num_requests, seed, vocab_size=cfg.vocab_size, max_output=max_output, max_prompt=max_prompt, real_prompts=real, scale=scale)
     reqs = [(r.prompt_token_ids, r.max_tokens) for r in wl.requests]
@@ -248,6 +251,7 @@ def run_bench(
         sub = Workload(wl.name, wl.requests[:naive_requests], seed, wl.description)
         run = run_naive(model, reqs[:naive_requests], reserve_len, block_size=block_size, attention=attention, progress=progress)
         S["naive"] = summarize_batch_run(run, sub, list(range(naive_requests)), bpt)
+        traces["naive"] = run.trace
         S["naive"]["note"] = f"measured on the first {naive_requests} requests (one at a time: its rate does not depend on how many)"
     if "static" in systems:
         run = run_static(model, reqs, static_batch, reserve_len, block_size=block_size, attention=attention, progress=progress)
@@ -302,7 +306,8 @@ def save_plots(result: dict, folder: Path) -> list[Path]:
     fig = viz.plot_throughput(S)
     paths.append(folder / "throughput.png")
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    traces = result.get("_traces", {})
+    # naive ran a subset of the requests: leave it out of the pictures of the whole workload
+    traces = {k: t for k, t in result.get("_traces", {}).items() if k in ("static", "continuous")}
     if "static" in traces and "continuous" in traces:
         fig = viz.plot_timeline(traces)
         paths.append(folder / "timeline.png")
