@@ -62,7 +62,6 @@ def test_the_lessons_are_all_there_in_order():
     assert found == LESSONS
 
 
-@pytest.mark.parametrize("name", LESSONS)
 def test_pointers_name_workbooks_the_course_has():
     from minipaged.checks._workbooks import WORKBOOKS
 
