@@ -73,7 +73,7 @@ def run_static(
     blocks_per_seq = -(-reserve_len // block_size)
     allocator = BlockAllocator(blocks_per_seq * batch_size, block_size)
     kv = KVCache(cfg.num_layers, allocator.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, p.dtype, p.device)
-    backend = get_backend(attention)
+    backend = get_backend(attention, p.device)
     runner = ModelRunner(p.device)
     run = BatchRun()
     bar = None

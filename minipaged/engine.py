@@ -151,7 +151,7 @@ class LLMEngine:
             enable_chunked_prefill=enable_chunked_prefill,
         )
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        self.backend = get_backend(attention)
+        self.backend = get_backend(attention, self.device)
         self.runner = ModelRunner(self.device)
         self.sampler = Sampler()
         self.scale = cfg.head_dim**-0.5
@@ -354,16 +354,26 @@ class LLM:
     """The facade vLLM users know: ``LLM(model=...).generate(prompts, sampling_params)``.
 
     ``model`` is None (the default SmolLM2-135M-Instruct), a path (a GGUF file or a local
-    Hugging Face folder), or an already built model (then pass ``tokenizer`` too).
+    Hugging Face folder), or an already built model (then pass ``tokenizer`` too). A loaded
+    model goes to ``device`` (default: CUDA when present, else the CPU) in ``dtype``.
     Everything else goes to LLMEngine (block_size, kv_cache_bytes, attention, *_cls, ...).
     """
 
-    def __init__(self, model: Any = None, tokenizer: Any = None, **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any = None,
+        tokenizer: Any = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+        **engine_kwargs: Any,
+    ) -> None:
         if model is None or isinstance(model, (str, os.PathLike)):
             from .model import load_model
 
+            # A GPU when there is one (Colab's GPU runtime), else the CPU; fp32 unless asked.
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             t = time.perf_counter()
-            model, loaded_tok = load_model(model)
+            model, loaded_tok = load_model(model, dtype=dtype, device=device)
             self.load_seconds = time.perf_counter() - t
             tokenizer = tokenizer or loaded_tok
         self.engine_kwargs = engine_kwargs

@@ -132,6 +132,18 @@ def test_lesson_shape(name):
         assert n <= MAX_CELL_LINES, f"{name}: code cell {i} has {n} lines; keep cells short (<= {MAX_CELL_LINES})"
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for d in ("notebooks", "solutions", "exercises") for p in (ROOT / d).glob("*.ipynb")))
+def test_markdown_is_prose_not_commented_out(name):
+    """Every line of a markdown cell starting with '#' renders as a heading: a converter slip."""
+    path = next(p for d in ("notebooks", "solutions", "exercises") for p in [ROOT / d / f"{name}.ipynb"] if p.exists())
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        if cell["cell_type"] != "markdown":
+            continue
+        lines = [ln for ln in src(cell).splitlines() if ln.strip()]
+        if len(lines) > 1:
+            assert not all(ln.startswith("#") for ln in lines), f"{path.name} cell {i}: every line is a heading"
+
+
 @pytest.mark.parametrize("name", LESSONS)
 def test_lesson_is_stored_executed_with_pictures(name):
     nb = load(name)

@@ -80,8 +80,10 @@ def _load_triton() -> AttentionBackend:
     return AttentionBackend("triton", triton_paged.write_kv, triton_paged.paged_attention)
 
 
-def get_backend(attention: "str | AttentionBackend | Any" = "auto") -> AttentionBackend:
+def get_backend(attention: "str | AttentionBackend | Any" = "auto", device: "torch.device | str | None" = None) -> AttentionBackend:
     """``"auto"`` (Triton on a CUDA GPU, else PyTorch), ``"torch"``, ``"triton"``, or your own.
+
+    ``device`` is where the model and cache live: "auto" picks Triton only for CUDA tensors.
 
     Your own backend is any object with ``paged_attention`` (and optionally ``write_kv``)
     attributes, or a bare ``paged_attention`` function with the reference's signature.
@@ -94,7 +96,8 @@ def get_backend(attention: "str | AttentionBackend | Any" = "auto") -> Attention
         if attention == "triton":
             return _load_triton()
         if attention == "auto":
-            if torch.cuda.is_available() and triton_available():
+            on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+            if on_gpu and triton_available():
                 return _load_triton()
             return TORCH
         raise ValueError(f"unknown attention backend {attention!r}: use 'auto', 'torch', 'triton' or your own function")

@@ -167,8 +167,9 @@ def run_hf(hf_model, workload: Workload, batch_size: int, pad_id: int = 0, progr
             mask[row, width - len(p):] = 1
         n = max(reqs[i].max_tokens for i in batch)
         start = time.perf_counter() - t0
+        dev = next(hf_model.parameters()).device
         gen = hf_model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id
+            input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id
         )
         now = time.perf_counter() - t0
         for row, i in enumerate(batch):
@@ -216,7 +217,7 @@ def run_bench(
     if model is None:
         from ..model import load_model
 
-        model, tokenizer = load_model(model_path)
+        model, tokenizer = load_model(model_path, device="cuda" if torch.cuda.is_available() else "cpu")
     load_s = time.perf_counter() - t
     cfg = model.config
     # keep every request (prompt + output) inside the model's context
@@ -263,6 +264,8 @@ def run_bench(
         traces["continuous"] = eng.trace
     if "hf" in systems:
         hf = load_hf_peer(model_path)
+        if hf is not None:
+            hf = hf.to(next(model.parameters()).device)
         if hf is not None:
             S["hf"] = run_hf(hf, wl, static_batch, progress=progress)
             del hf
