@@ -78,7 +78,8 @@ def test_install_cell_on_a_fake_colab(tmp_path):
     venv = tmp_path / "colab-venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = str(venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python"))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    # TRITON_INTERPRET may be set by earlier tests in this process; the "Colab" probe must not inherit it.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "TRITON_INTERPRET")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
 
     def run(args, **kw):
