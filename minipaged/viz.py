@@ -16,7 +16,7 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from .memory import GiB, Concurrency, MemoryBreakdown
+from .memory import GiB, Concurrency, MemoryBreakdown, format_bytes
 from .trace import StepRecord, Trace
 
 # Ten strong hues, then their light partners (tab20 reordered, its greys left out: grey means free).
@@ -235,7 +235,7 @@ def plot_page_table(trace_or_snapshot: Any, step: int | None = None, show_tables
         where = f"step {snap['step']}" if snap["step"] is not None else "now"
         waiting = f", {snap['waiting']} waiting" if snap["waiting"] else ""
         title = (f"Page table at {where}: {len(tables)} sequences running{waiting}\n"
-                 "each sequence's blocks are scattered over the pool; only its last block is part-empty (light)")
+                 "a sequence's blocks can lie anywhere in the pool; only its last block is part-empty (light)")
     fig.suptitle(title, fontsize=11)
     return fig
 
@@ -286,6 +286,11 @@ def plot_memory_bar(breakdown: MemoryBreakdown | Mapping[str, MemoryBreakdown], 
     return fig
 
 
+def format_waste(fraction: float) -> str:
+    """A waste fraction as the lessons print it: one decimal under 10% (1.3%), none above (85%)."""
+    return f"{fraction:.1%}" if 0 < fraction < 0.1 else f"{fraction:.0%}"
+
+
 def plot_concurrency(result: Concurrency | Mapping[str, Concurrency], ax: Axes | None = None,
                      title: str | None = None) -> Figure:
     """Sequences that fit one KV budget: contiguous max-length reservation vs paged blocks.
@@ -304,10 +309,9 @@ def plot_concurrency(result: Concurrency | Mapping[str, Concurrency], ax: Axes |
         for dx, n, waste, key in ((-w / 2, c.contiguous_seqs, c.contiguous_waste, "contiguous"),
                                   (w / 2, c.paged_seqs, c.paged_waste, "paged")):
             ax.bar(i + dx, n, width=w * 0.95, color=COLORS[key])
-            pct = f"{waste:.0%}" if waste >= 0.01 or waste == 0 else f"{waste:.1%}"
-            ax.text(i + dx, n + top * 0.02, f"{n:,}\n{pct} waste", ha="center", va="bottom", fontsize=9)
+            ax.text(i + dx, n + top * 0.02, f"{n:,}\n{format_waste(waste)} waste", ha="center", va="bottom", fontsize=9)
     ax.set_xticks(range(len(items)))
-    ax.set_xticklabels([lab or f"KV budget {c.kv_budget_bytes / GiB:.1f} GiB" for lab, c in items])
+    ax.set_xticklabels([lab or f"KV budget {format_bytes(c.kv_budget_bytes)}" for lab, c in items])
     ax.set_ylim(0, top * 1.2)
     ax.set_ylabel("sequences that fit at once")
     c0 = items[0][1]
@@ -336,7 +340,9 @@ def plot_timeline(timelines: Mapping[str, Any], use: str = "time", cursor: float
 
     ``timelines`` maps a name to a Trace or to ``trace.timeline()``. Solid: the request is being
     computed; hatched grey: its slot is held although it is done (static batching waits for the
-    batch's longest request); red edge: preempted (its KV freed, to be recomputed later).
+    batch's longest request); red edge: preempted (its KV freed, to be recomputed later). Each
+    panel's title gives the slots computing on average over its run (solid bars only: a slot held
+    by a finished request does not count).
     ``use="step"`` puts step indices on the x axis instead of times; ``cursor`` draws a line.
     """
     if use not in ("time", "step"):
@@ -364,10 +370,12 @@ def plot_timeline(timelines: Mapping[str, Any], use: str = "time", cursor: float
             if (f - a) / xmax > 0.025 and ns <= 40:
                 ax.text((a + f) / 2, y, str(iv["request"]), ha="center", va="center", fontsize=7)
         end = max((iv[s1] for iv in tl), default=0)
+        begin = min((iv[s0] for iv in tl), default=0)
+        computing = sum(iv[f1] - iv[s0] for iv in tl) / (end - begin) if end > begin else 0.0
         ax.axvline(end, color="black", lw=1, ls=":")
-        label = f"{name}: done at {end:.4g} {unit}"
+        label = f"{name}: done at {end:.4g} {unit}, {computing:.1f} of {ns} slot{'s' if ns != 1 else ''} computing on average"
         if summ is not None:
-            label += f", {summ['mean_concurrency']:.1f} slots busy on average, KV waste {summ['kv_waste']:.0%}"
+            label += f", KV waste {summ['kv_waste']:.0%}"
         ax.set_title(label, fontsize=10, loc="left")
         ax.set_ylabel("batch slot")
         ax.set_ylim(-0.6, ns - 0.4)
@@ -406,7 +414,8 @@ def plot_kv_usage(trace: Trace | Mapping[str, Trace], use: str = "step", title: 
         ax.set_ylabel("KV token slots")
         ax.set_title(f"{name}: {t.kv_waste():.0%} of reserved slots held no token (averaged over steps)",
                      fontsize=10, loc="left")
-        ax.legend(fontsize=8, loc="upper right", frameon=False)
+        # Beside the plot, not on it: the whole-pool line and the curves run under the top right.
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         _tidy(ax)
     axes[-1, 0].set_xlabel("step" if use == "step" else "time")
     fig.suptitle(title or "KV cache: reserved vs really used", fontsize=11)

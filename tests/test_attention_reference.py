@@ -216,7 +216,9 @@ def test_reference_rejects_bad_shapes():
 def test_auto_falls_back_to_torch_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert get_backend("auto").name == "torch"
-    assert get_backend().paged_attention is reference_attention
+    from minipaged.attention.torch_sdpa import paged_attention as torch_path
+
+    assert get_backend().paged_attention is torch_path  # the fused path; reference.py is its oracle
 
 
 def test_auto_falls_back_to_torch_without_triton(monkeypatch):

@@ -116,6 +116,16 @@ def test_concurrency(tmp_path):
     heights = [p.get_height() for p in fig.axes[0].patches]
     assert heights == [c.contiguous_seqs, c.paged_seqs]
     assert f"{c.gain:.1f}x" in _texts(fig)
+    # Rounded the way the lessons print them: the budget as format_bytes does, waste to 0.1% under 10%.
+    text = _texts(fig) + "\n" + "\n".join(t.get_text() for t in fig.axes[0].get_xticklabels())
+    assert f"KV budget {mem.format_bytes(c.kv_budget_bytes)}" in text
+    assert f"{c.paged_waste:.1%} waste" in text and f"{c.contiguous_waste:.0%} waste" in text
+    b = mem.memory_breakdown(24 * mem.GiB, "Llama-2-7B")  # lesson 01's calculator: 9.05 GiB, 1.3% paged waste
+    c24 = mem.concurrency(b.kv_budget_bytes, "Llama-2-7B", 300, 2048)
+    fig24 = viz.plot_concurrency(c24)
+    ticks = [t.get_text() for t in fig24.axes[0].get_xticklabels()]
+    assert ticks == [f"KV budget {mem.format_bytes(b.kv_budget_bytes)}"] and "1.3% waste" in _texts(fig24)
+    assert viz.format_waste(0.853) == "85%" and viz.format_waste(0.0134) == "1.3%" and viz.format_waste(0) == "0%"
     by_bs = {f"block {bs}": mem.concurrency(9 * mem.GiB, "Llama-2-7B", 300, 2048, bs) for bs in (16, 256)}
     fig = viz.plot_concurrency(by_bs)
     _png(fig, tmp_path / "conc2.png")
@@ -134,6 +144,17 @@ def test_timeline(runs, tmp_path):
     assert any(p.get_hatch() == "///" for p in ax_s.patches)
     assert not any(p.get_hatch() == "///" for p in ax_c.patches)
     assert f"done at {runs['continuous'].total_time:g}" in _texts(fig)
+    # The average counts computing slots only: static's held-but-done (hatched) slots are not busy.
+    for ax, key in ((ax_s, "static"), (ax_c, "continuous")):
+        tl = runs[key].timeline()
+        end = max(iv["end_time"] for iv in tl)
+        begin = min(iv["start_time"] for iv in tl)
+        computing = sum(iv["finish_time"] - iv["start_time"] for iv in tl) / (end - begin)
+        ns = max(iv["slot"] for iv in tl) + 1
+        assert f"{computing:.1f} of {ns} slots computing on average" in ax.get_title(loc="left")
+    held = runs["static"].summary()["mean_concurrency"]  # slots held per step, idle ones included
+    static_computing = float(ax_s.get_title(loc="left").split(" of ")[0].rsplit(" ", 1)[-1])
+    assert static_computing < held - 0.5, "static's idle (hatched) slots must not count as computing"
     fig = viz.plot_timeline({"a": runs["continuous"].timeline()}, use="step", cursor=10)
     _png(fig, tmp_path / "tl2.png")
     with pytest.raises(ValueError):
@@ -143,6 +164,11 @@ def test_timeline(runs, tmp_path):
 def test_kv_usage(runs, tmp_path):
     fig = viz.plot_kv_usage(runs["continuous"])
     _png(fig, tmp_path / "kv.png")
+    # The legend sits beside the plot, so the dashed whole-pool line does not run through it.
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend_box, axes_box = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend_box.x0 >= axes_box.x1, "the legend must not overlap the plot"
     assert f"{runs['continuous'].kv_waste():.0%}" in _texts(fig)
     fig = viz.plot_kv_usage(runs)
     _png(fig, tmp_path / "kv2.png")

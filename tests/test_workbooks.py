@@ -72,6 +72,9 @@ def test_workbook_shape(path: Path) -> None:
     assert sum(c.source.count("### BEGIN SOLUTION") for c in sol.cells) >= 1
     intro = sol.cells[0].source
     assert sol.cells[0].cell_type == "markdown" and f"pytest --nbval-lax {path.stem}.ipynb" in intro
+    # nbval-lax makes every code cell a test, not only the check cells: the intro must say so
+    assert "each code cell is a test" in intro and "the check cells are the ones that judge your code" in intro.lower(), (
+        f"{path.name}: the intro must say that under nbval-lax each code cell is a test and the check cells judge the code")
     for c in ex.cells:
         assert "SOLUTION" not in c.source, f"exercises/{path.name} still has a solution marker"
         if c.cell_type == "code":
@@ -167,3 +170,33 @@ def test_assemble_finds_the_learners_own_workbooks(tmp_path: Path, capsys) -> No
     assert "alice_02_block_allocator.ipynb" in capsys.readouterr().out
     with pytest.raises(NotImplementedYet, match="not implemented yet: MyBlockAllocator.__init__"):
         assemble.load_parts(tmp_path, learner="bob")
+
+
+def test_play_cell_gives_every_request_its_own_answer() -> None:
+    """Workbook 07's "Now play" example: the same prompt with the same seed gives the same answer,
+    so the requests it sends must differ in seed or prompt."""
+    import types
+
+    nb = nbformat.read(SOLUTIONS / "07_assemble.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "markdown" and "## Now play" in c.source)
+    code = re.search(r"```python\n(.*?)```", cell.source, re.S).group(1)
+    calls = {}
+
+    class FakeLLM:
+        engine = types.SimpleNamespace(stats=lambda: {})
+
+        def chat(self, messages, params=None):
+            calls["messages"], calls["params"] = messages, params
+            return [types.SimpleNamespace(text="")] * len(messages)
+
+        generate = chat
+
+    ns = {"assemble": types.SimpleNamespace(model_and_tokenizer=lambda: (None, None)),
+          "build_engine": lambda *a, **k: FakeLLM(), "parts": None}
+    exec(compile(code, "07 Now play", "exec"), ns)
+    messages, params = calls["messages"], calls["params"]
+    params = params if isinstance(params, list) else [params] * len(messages)
+    assert len(messages) > 1
+    requests = [(repr(m), p.seed) for m, p in zip(messages, params)]
+    assert all(p.temperature > 0 for p in params)
+    assert len(set(requests)) == len(requests), f"the play cell sends identical requests: {requests}"

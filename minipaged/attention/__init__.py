@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 
 from ..kv_cache import write_kv as _torch_write_kv
-from .reference import paged_attention as _torch_paged_attention
+from .reference import paged_attention as _reference_paged_attention
+from .torch_sdpa import paged_attention as _torch_paged_attention
 
 
 @dataclass
@@ -42,7 +43,9 @@ class AttentionBackend:
     paged_attention: Callable[..., Any]
 
 
+# "torch": the serving path (fused SDPA); "reference": the oracle, explicit maths, slower.
 TORCH = AttentionBackend("torch", _torch_write_kv, _torch_paged_attention)
+REFERENCE = AttentionBackend("reference", _torch_write_kv, _reference_paged_attention)
 _announced = False
 
 
@@ -81,7 +84,8 @@ def _load_triton() -> AttentionBackend:
 
 
 def get_backend(attention: "str | AttentionBackend | Any" = "auto", device: "torch.device | str | None" = None) -> AttentionBackend:
-    """``"auto"`` (Triton on a CUDA GPU, else PyTorch), ``"torch"``, ``"triton"``, or your own.
+    """``"auto"`` (Triton on a CUDA GPU, else PyTorch), ``"torch"``, ``"triton"``, ``"reference"``
+    (the explicit oracle of reference.py), or your own.
 
     ``device`` is where the model and cache live: "auto" picks Triton only for CUDA tensors.
 
@@ -93,6 +97,8 @@ def get_backend(attention: "str | AttentionBackend | Any" = "auto", device: "tor
     if isinstance(attention, str):
         if attention == "torch":
             return TORCH
+        if attention == "reference":
+            return REFERENCE
         if attention == "triton":
             return _load_triton()
         if attention == "auto":
@@ -100,7 +106,9 @@ def get_backend(attention: "str | AttentionBackend | Any" = "auto", device: "tor
             if on_gpu and triton_available():
                 return _load_triton()
             return TORCH
-        raise ValueError(f"unknown attention backend {attention!r}: use 'auto', 'torch', 'triton' or your own function")
+        raise ValueError(
+            f"unknown attention backend {attention!r}: use 'auto', 'torch', 'triton', 'reference' or your own function"
+        )
     if callable(attention) and not hasattr(attention, "paged_attention"):
         return AttentionBackend(getattr(attention, "__name__", "custom"), _torch_write_kv, attention)
     if hasattr(attention, "paged_attention"):
@@ -112,4 +120,4 @@ def get_backend(attention: "str | AttentionBackend | Any" = "auto", device: "tor
     raise TypeError(f"attention must be a name or an object with paged_attention, got {type(attention).__name__}")
 
 
-__all__ = ["AttentionMetadata", "AttentionBackend", "get_backend", "triton_available", "TORCH"]
+__all__ = ["AttentionMetadata", "AttentionBackend", "get_backend", "triton_available", "TORCH", "REFERENCE"]

@@ -60,6 +60,7 @@ class Parts:
     scheduler_cls: type
     paged_decode: Callable | None = None
     files: dict = field(default_factory=dict)
+    attention_used: str = ""  # which attention serves the decode steps, and why (04 or 05)
 
     @functools.cached_property
     def attention(self) -> Callable:
@@ -92,68 +93,75 @@ def _where_hint(folder: Path) -> str:
 
 def load_parts(folder: str | os.PathLike | None = None, learner: str | None = None, verbose: bool = True,
                use_triton: bool | None = None, timeout: float = 300) -> Parts:
-    """Your allocator (02), block table (03), attention (04), scheduler (06), and on a GPU your
-    Triton decode (05), taken from your workbook files in ``folder``, each checked again."""
+    """Your allocator (02), block table (03), attention (04) and scheduler (06), taken from your
+    workbook files in ``folder``, each checked again. On a GPU (or with ``use_triton=True``) your
+    Triton decode (05) is used for decode steps if its workbook is found and passes its check;
+    05 is optional, so otherwise decode runs through your 04 attention. It prints which."""
     state = {"current": "running your workbooks' code cells"}
     return run_with_time_limit(lambda: _load_parts(folder, learner, verbose, use_triton, state), timeout, NAME,
                                lambda: state["current"])
 
 
-def _load_parts(folder, learner, verbose, use_triton, state) -> Parts:
+def _try_part(root: Path, learner, stem: str, names: list, module: str, fn_name: str, pick, state) -> tuple:
+    """Run workbook ``stem``'s code cells and its check quietly.
+
+    Returns ``(objs, None, row)`` when the part is usable, else ``(None, (problem, stub), row)``.
+    """
     import importlib
 
+    state["current"] = f"the code cells and the check of your {stem}"
+    path, candidates = find_workbook(root, stem, learner)
+    if path is None:
+        return None, (f"{stem}.ipynb: not found in {root}", False), (stem, "missing", "")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ns = run_workbook_cells(path)
+    except NotImplementedError:
+        return None, (f"{path.name}: one of its code cells still raises NotImplementedError when it runs", True), \
+            (stem, "not solved", path.name)
+    except Exception as e:  # a learner's cell that does not run
+        return None, (f"{path.name}: running its code cells failed: {describe_exception(e)}", False), \
+            (stem, "broken", path.name)
+    missing = [n for n in names if n not in ns]
+    if missing:
+        return None, (f"{path.name} defines no {', '.join(missing)}: keep the names the workbook gave you", False), \
+            (stem, "incomplete", path.name)
+    objs = pick(ns)
+    check_fn = getattr(importlib.import_module(f"minipaged.checks.{module}"), fn_name)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            check_fn(*objs)
+    except NotImplementedYet as e:
+        first = str(e).split("\n")[0].split(". It still raises")[0].rstrip(".")
+        return None, (f"{path.name}: {first} (it still raises NotImplementedError)", True), (stem, "not solved", path.name)
+    except CheckFailed as e:
+        return None, (f"{path.name}: does not pass its own check yet: {str(e).split(chr(10))[0]}", False), \
+            (stem, "check fails", path.name)
+    if "SKIPPED" in out.getvalue():  # e.g. workbook 05's check without Triton: nothing was checked
+        return None, (f"{path.name}: its check was skipped here ({out.getvalue().split('SKIPPED:')[1].strip().splitlines()[0]})",
+                      False), (stem, "skipped", path.name)
+    note = f" (of {len(candidates)} candidates, the newest)" if len(candidates) > 1 else ""
+    return objs, None, (stem, "ok", path.name + note)
+
+
+def _load_parts(folder, learner, verbose, use_triton, state) -> Parts:
     root = _folder(folder)
     learner = learner if learner is not None else (os.environ.get("MINIPAGED_LEARNER") or None)
     if use_triton is None:
         use_triton = torch.cuda.is_available()
-    wanted = list(_PARTS) + ([_DECODE] if use_triton else [])
     found: dict[str, tuple] = {}
     problems: list[str] = []
     stub = False
     rows = []
-    for stem, names, module, fn_name, pick in wanted:
-        state["current"] = f"the code cells and the check of your {stem}"
-        path, candidates = find_workbook(root, stem, learner)
-        if path is None:
-            problems.append(f"{stem}.ipynb: not found in {root}")
-            rows.append((stem, "missing", ""))
-            continue
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ns = run_workbook_cells(path)
-        except NotImplementedError:
-            problems.append(f"{path.name}: one of its code cells still raises NotImplementedError when it runs")
-            rows.append((stem, "not solved", path.name))
-            stub = True
-            continue
-        except Exception as e:  # a learner's cell that does not run
-            problems.append(f"{path.name}: running its code cells failed: {describe_exception(e)}")
-            rows.append((stem, "broken", path.name))
-            continue
-        missing = [n for n in names if n not in ns]
-        if missing:
-            problems.append(f"{path.name} defines no {', '.join(missing)}: keep the names the workbook gave you")
-            rows.append((stem, "incomplete", path.name))
-            continue
-        objs = pick(ns)
-        check_fn = getattr(importlib.import_module(f"minipaged.checks.{module}"), fn_name)
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):
-                check_fn(*objs)
-        except NotImplementedYet as e:
-            stub = True
-            first = str(e).split("\n")[0].split(". It still raises")[0].rstrip(".")
-            problems.append(f"{path.name}: {first} (it still raises NotImplementedError)")
-            rows.append((stem, "not solved", path.name))
-            continue
-        except CheckFailed as e:
-            problems.append(f"{path.name}: does not pass its own check yet: {str(e).split(chr(10))[0]}")
-            rows.append((stem, "check fails", path.name))
-            continue
-        found[stem] = objs
-        note = f" (of {len(candidates)} candidates, the newest)" if len(candidates) > 1 else ""
-        rows.append((stem, "ok", path.name + note))
+    for stem, names, module, fn_name, pick in _PARTS:
+        objs, problem, row = _try_part(root, learner, stem, names, module, fn_name, pick, state)
+        rows.append(row)
+        if problem is None:
+            found[stem] = objs
+        else:
+            problems.append(problem[0])
+            stub = stub or problem[1]
     if problems:
         names = ", ".join(p.split(".ipynb")[0] for p in problems)
         msg = (f"{NAME}: {len(problems)} of your parts cannot be used yet ({names}):\n"
@@ -161,15 +169,30 @@ def _load_parts(folder, learner, verbose, use_triton, state) -> Parts:
                + "\n\nOpen that workbook, make its check cells pass, save it (Ctrl+S), then run this cell again. "
                + (_where_hint(root) if any("not found" in p for p in problems) else ""))
         raise (NotImplementedYet if stub else CheckFailed)(msg.strip())
+    # Workbook 05 is optional (docs/instructor.md, lesson 07): on a GPU your Triton kernel takes the decode
+    # steps if its workbook is there and passes its check; otherwise decode runs through your 04 attention.
+    decode, why_not = None, "no GPU here"
+    if use_triton:
+        stem, names, module, fn_name, pick = _DECODE
+        objs, problem, row = _try_part(root, learner, stem, names, module, fn_name, pick, state)
+        if problem is None:
+            decode = objs[0]
+            rows.append(row)
+        else:
+            why_not = problem[0]
+            rows.append((stem, "not used", row[2] or "(optional)"))
     parts = Parts(found["02_block_allocator"][0], found["03_block_table"][0], found["04_paged_attention_torch"][1],
-                  found["06_scheduler"][0], found.get(_DECODE[0], (None,))[0],
-                  {stem: name for stem, _, name in rows})
+                  found["06_scheduler"][0], decode, {stem: name for stem, _, name in rows})
+    if decode is not None:
+        used = f"decode steps run through your Triton kernel (05, {parts.files[_DECODE[0]]}), prefill through your 04 attention"
+    else:
+        used = f"decode runs through your 04 attention: your Triton kernel (05, optional) is not used: {why_not}"
+    parts.attention_used = used
     if verbose:
         width = max(len(r[0]) for r in rows)
         for stem, status, name in rows:
             print(f"  {stem.ljust(width)}  {status:<4}  {name}")
-        if not use_triton:
-            print("  (05, your Triton kernel, is not used: no GPU here, so decode runs through your 04 attention)")
+        print(f"  ({used})")
         passed(f"your parts from {root}: each still passes its own check.")
     return parts
 
@@ -290,6 +313,8 @@ def check_engine(build_engine: Callable, folder: str | os.PathLike | None = None
             ans = repr(o.text) if o.finish_reason != "rejected" else f"rejected: {o.error}"
             print(f"  {shown}  {ans}")
         pre = stats.get("preemptions", "?")
+        if parts.attention_used:
+            print(f"  ({parts.attention_used})")
         passed(f"your allocator, block table, attention and scheduler serve SmolLM2 with the reference's greedy tokens: "
                f"{len(PROMPTS)} prompts ({MAX_TOKENS} tokens each, one rejected), {ENGINE_ARGS['num_blocks']} blocks of "
                f"{ENGINE_ARGS['block_size']} tokens, {pre} preemption(s), chunks of {ENGINE_ARGS['max_num_batched_tokens']} "

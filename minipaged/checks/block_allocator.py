@@ -39,7 +39,7 @@ class _Run:
         self.mine = self.call(cls, num_blocks, block_size, what=self.current)
         self.held: list[int] = []  # one entry per reference a "block table" holds
         self.names: dict[int, str] = {}
-        self.compare("creating the allocator")
+        self.compare("creating the allocator", op="create")
 
     # -- plumbing --------------------------------------------------------------------------
     def story(self) -> str:
@@ -82,7 +82,29 @@ class _Run:
             out.append(self.call(self.mine.ref_count, b, what=f"a.ref_count({b})"))
         return out
 
-    def compare(self, after: str, hint: str = "") -> None:
+    @staticmethod
+    def _ref_count_hint(op: str, b: int, exp: int, got: int) -> str:
+        """The hint for block ``b``'s wrong ref count, chosen by the operation that just ran."""
+        if op == "allocate":
+            if exp == 1:
+                return (f"allocate() must set the new block's ref count to 1: one block table now holds it "
+                        f"(yours says {got}).")
+            return (f"allocate() changed the ref count of block {b}, which it did not hand out: it may only touch the "
+                    "block it takes from the free list.")
+        if op == "free":
+            if exp > 0 and got == 0:
+                return (f"block {b} is still held by {exp} block table(s), but your allocator counts it as free. "
+                        "free() drops ONE reference; the block goes back to the free list only when its count reaches 0.")
+            return "free() must lower the ref count by exactly one; a block whose count reaches 0 is free again."
+        if op == "incref":
+            return "incref() adds one to the block's ref count, and changes nothing else."
+        if op == "misuse":
+            return "a call that raises must change nothing: check for the misuse before touching any ref count."
+        return ("a fresh pool has every ref count at 0." if op == "create" else
+                "allocate() sets the count to 1, incref() adds one, free() takes one away.")
+
+    def compare(self, after: str, hint: str = "", op: str = "") -> None:
+        """Compare both allocators after ``after``; ``op`` (allocate, free, incref, misuse, create) picks the hint."""
         exp_free = self.ref.num_free_blocks
         got_free = learner_call(lambda: self.mine.num_free_blocks, what="a.num_free_blocks", context=self.story)
         exp_rc = [self.ref.ref_count(b) for b in range(self.num_blocks)]
@@ -98,15 +120,7 @@ class _Run:
             )
             b = bad[0]
             if not hint:
-                if exp_rc[b] > got_rc[b] and self.ref.ref_count(b) > 0 and got_rc[b] == 0:
-                    hint = (f"block {b} is still held by {exp_rc[b]} block table(s), but your allocator counts it as free. "
-                            "free() drops ONE reference; the block goes back to the free list only when its count reaches 0.")
-                elif exp_rc[b] == 1 and got_rc[b] == 0:
-                    hint = "allocate() must set the new block's ref count to 1: one block table now holds it."
-                elif exp_rc[b] == 0 and got_rc[b] > 0:
-                    hint = "free() must lower the ref count by one; a block whose count reaches 0 is free again."
-                else:
-                    hint = "allocate() sets the count to 1, incref() adds one, free() takes one away."
+                hint = self._ref_count_hint(op, b, exp_rc[b], got_rc[b])
             raise self.fail(f"ref counts differ after {after}.",
                             expected=f"a.ref_count(b) == {fmt_list(exp_rc)} for b = 0..{self.num_blocks - 1}",
                             got=f"{fmt_list(got_rc)}", picture=pic, hint=hint)
@@ -139,7 +153,7 @@ class _Run:
                                 got=f"{type(err).__name__}: {err}",
                                 hint="check for an empty free list first and raise OutOfBlocksError yourself "
                                      "(popleft() on an empty deque raises IndexError, which nobody upstream catches).")
-            self.compare("allocate() on a full pool (nothing may change)")
+            self.compare("allocate() on a full pool (nothing may change)", op="misuse")
             return
         free_before = list(self.ref.free_list)
         exp = self.ref.allocate()
@@ -171,7 +185,7 @@ class _Run:
                             picture=pic, hint=hint)
         self.held.append(exp)
         self.stats["ops"] += 1
-        self.compare(f"a.allocate() -> {exp}")
+        self.compare(f"a.allocate() -> {exp}", op="allocate")
 
     def free(self, rng: random.Random) -> None:
         b = rng.choice(self.held)
@@ -186,7 +200,7 @@ class _Run:
         if shared:
             hint = (f"block {b} had ref count {self.ref.ref_count(b) + 1}: another block table still holds it. free() drops one "
                     "reference; only when the count reaches 0 does the block go back to the free list.")
-        self.compare(f"a.free({b})" + (" of a shared block" if shared else ""), hint=hint)
+        self.compare(f"a.free({b})" + (" of a shared block" if shared else ""), hint=hint, op="free")
 
     def incref(self, rng: random.Random) -> None:
         b = rng.choice(sorted(set(self.held)))
@@ -195,7 +209,7 @@ class _Run:
         self.call(self.mine.incref, b, what=f"a.incref({b})")
         self.log.add(f"a.incref({b})  # a second table shares block {b}")
         self.stats["ops"] += 1
-        self.compare(f"a.incref({b})", hint="incref() adds one to the block's ref count; the free list does not change.")
+        self.compare(f"a.incref({b})", hint="incref() adds one to the block's ref count; the free list does not change.", op="incref")
 
     def misuse(self, rng: random.Random, kind: str) -> None:
         free_blocks = [b for b in range(self.num_blocks) if self.ref.ref_count(b) == 0]
@@ -220,7 +234,7 @@ class _Run:
             raise self.fail(f"{what} on a free block raised the wrong exception.",
                             expected="BlockAllocatorError (a ValueError)", got=f"{type(err).__name__}: {err}",
                             hint="raise BlockAllocatorError yourself before touching the ref count or the free list.")
-        self.compare(f"{what} (which must change nothing)",
+        self.compare(f"{what} (which must change nothing)", op="misuse",
                      hint="check for the misuse BEFORE changing anything: a failed call must leave the allocator as it was.")
 
 
@@ -251,7 +265,7 @@ def _scenarios(cls, stats, sharing: bool) -> None:
         r.ref.free(b)
         r.call(r.mine.free, b, what=f"a.free({b})")
         r.log.add(f"a.free({b})")
-        r.compare(f"a.free({b})")
+        r.compare(f"a.free({b})", op="free")
     for _ in range(4):
         r.allocate()
     if sharing:
@@ -261,7 +275,7 @@ def _scenarios(cls, stats, sharing: bool) -> None:
         r.ref.incref(0)
         r.call(r.mine.incref, 0, what="a.incref(0)")
         r.log.add("a.incref(0)  # a second table shares block 0")
-        r.compare("a.incref(0)", hint="incref() adds one to the ref count and leaves the free list alone.")
+        r.compare("a.incref(0)", op="incref", hint="incref() adds one to the ref count and leaves the free list alone.")
         for _ in range(2):
             r.free(random.Random(0))
         r.allocate()

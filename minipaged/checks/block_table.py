@@ -3,7 +3,9 @@
 Each side gets its own reference BlockAllocator, so only the table is under test. Both
 are driven through the same seeded appends (often right at a block boundary), slot-mapping
 queries and frees; after every operation every table's blocks and token count, and the
-pool's free count, must agree.
+pool's free count and ref counts, must agree. free() may give the blocks back in any order:
+after it the check compares which blocks are free, then gives the learner's pool the
+reference's free-list order, so the block ids handed out later are still compared exactly.
 """
 from __future__ import annotations
 
@@ -257,6 +259,17 @@ class _Run:
         self.compare(what, i_focus=i, hint=(
             f"free() must hand each of the table's blocks ({held}) back with allocator.free(b), then empty self.blocks and "
             "set num_tokens to 0. Clearing the list alone leaks the blocks: the pool never sees them again."))
+        # The rules ask for every block back, in any order; the order only decides which ids the pool hands
+        # out next. The ref counts (so the set of free blocks) matched above, so line your pool's free list up
+        # with the reference's: later appends are then compared block for block, whatever order you freed in.
+        if sorted(self.my_alloc.free_list) != sorted(self.ref_alloc.free_list):
+            raise self.fail(f"the pool's free list differs after {what}.",
+                            expected=f"the free blocks {sorted(self.ref_alloc.free_list)}",
+                            got=f"{sorted(self.my_alloc.free_list)}",
+                            hint="give blocks back only through allocator.free(b), once per block; never edit the "
+                                 "allocator's free_list or ref_counts yourself.")
+        self.my_alloc.free_list.clear()
+        self.my_alloc.free_list.extend(self.ref_alloc.free_list)
 
 
 def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: str) -> None:

@@ -83,20 +83,50 @@ def _int_result(title: str, got, exp: int, desc: str, hint_float: str) -> None:
                       hint="return a number: an int of bytes or of sequences.")
 
 
-def _factor_hint(got, exp: int, m: ModelShape) -> str:
-    if not isinstance(got, (int, float)) or got == 0:
-        return ""
+# Every factor of bytes_per_token differs here (2 for K and V, 3 layers, 5 KV heads, head_dim 7,
+# 4 bytes): on SmolLM2 a missing dtype_bytes (2) looks exactly like a missing K-and-V factor (2).
+PROBE = ModelShape("a probe shape whose factors all differ", num_layers=3, num_kv_heads=5, head_dim=7, dtype_bytes=4)
+
+
+def _factors(m: ModelShape) -> list[tuple[str, float, str]]:
+    return [("kv", 2, "K and V are two tensors: each token stores a key AND a value vector (the factor 2)"),
+            ("layers", m.num_layers, "every layer keeps its own K and V: multiply by num_layers"),
+            ("dtype", m.dtype_bytes, "multiply by dtype_bytes: the count is in bytes, not in numbers"),
+            ("heads", m.num_kv_heads, "multiply by num_kv_heads (the KV heads, not the query heads: GQA shares them)"),
+            ("head_dim", m.head_dim, "each head stores head_dim numbers per token"),
+            ("bits", 1 / 8, "bytes, not bits: dtype_bytes is already bytes per number")]
+
+
+def _matching(got, exp: int, m: ModelShape) -> list[tuple[str, float, str]]:
+    """The factors that ``got`` is exactly off by (several when the shape has equal factors)."""
+    if isinstance(got, bool) or not isinstance(got, (int, float)) or got == 0:
+        return []
     r = exp / got
-    for factor, why in ((2, "K and V are two tensors: each token stores a key AND a value vector (the factor 2)"),
-                        (m.num_layers, "every layer keeps its own K and V: multiply by num_layers"),
-                        (m.dtype_bytes, "multiply by dtype_bytes: the count is in bytes, not in numbers"),
-                        (m.num_kv_heads, "multiply by num_kv_heads (the KV heads, not the query heads: GQA shares them)"),
-                        (m.head_dim, "each head stores head_dim numbers per token"),
-                        (1 / 8, "bytes, not bits: dtype_bytes is already bytes per number")):
-        if abs(r - factor) < 1e-9 and factor != 1:
-            size = f"1/{int(factor)} of" if factor >= 1 else f"{int(round(1 / factor))} times"
-            return f"yours is exactly {size} the answer: {why}."
-    return ("bytes per token = 2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes.")
+    return [f for f in _factors(m) if f[1] != 1 and abs(r - f[1]) < 1e-9]
+
+
+def _factor_hint(got, exp: int, m: ModelShape, probe: Callable | None = None) -> str:
+    """Which factor ``got`` misses. When ``m`` has equal factors (SmolLM2: K-and-V 2 = dtype_bytes 2),
+    ``probe(PROBE)`` (the learner's function) on a shape whose factors all differ says which one."""
+    general = "bytes per token = 2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes."
+    found = _matching(got, exp, m)
+    if not found:
+        return general
+    factor = found[0][1]
+    size = f"1/{int(factor)} of" if factor >= 1 else f"{int(round(1 / factor))} times"
+    if len(found) > 1 and probe is not None:
+        try:
+            on_probe = _matching(probe(PROBE), ref_bytes_per_token(PROBE), PROBE)
+        except Exception:  # noqa: BLE001 - the probe only sharpens the hint
+            on_probe = []
+        keys = {k for k, _, _ in on_probe}
+        narrowed = [f for f in found if f[0] in keys]
+        if narrowed:
+            found = narrowed
+    if len(found) == 1:
+        return f"yours is exactly {size} the answer: {found[0][2]}."
+    return (f"yours is exactly {size} the answer, which more than one missing factor explains here: "
+            + "; or ".join(f[2] for f in found) + ". " + general)
 
 
 def check_bytes_per_token(bytes_per_token: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -108,7 +138,7 @@ def check_bytes_per_token(bytes_per_token: Callable, timeout: float = DEFAULT_TI
             _int_result(title, got, exp, _m(m), "")
             if got != exp:
                 raise failure(title, done=_m(m), expected=f"{exp:,} bytes per token", got=f"{got!r}",
-                              hint=_factor_hint(got, exp, m))
+                              hint=_factor_hint(got, exp, m, probe=bytes_per_token))
 
     run_with_time_limit(body, timeout, NAME, lambda: "bytes_per_token(...)")
     b = ref_bytes_per_token(SMOLLM2_135M)

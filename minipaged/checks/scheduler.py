@@ -1,10 +1,13 @@
 """Checks for workbook 06: a learner's scheduler against minipaged.Scheduler.
 
 Both schedulers get their own pool and the same requests, arriving at the same steps; a
-fake model samples the same tokens for both (EOS now and then). After every add_request,
-schedule() and update() the check compares what was scheduled, who was preempted, both
-queues, every sequence's progress and blocks, and the pool. The first difference stops it
-with a side-by-side picture of the two schedulers and a hint.
+fake model samples the same tokens for both (EOS now and then, depending on the run's seed).
+The fixed stories ignore EOS, so each of their requests generates exactly max_tokens and
+what the story's label promises (who outgrows the pool, who is preempted) happens whatever
+the seed. After every add_request, schedule() and update() the check compares what was
+scheduled, who was preempted, both queues, every sequence's progress and blocks, and the
+pool. The first difference stops it with a side-by-side picture of the two schedulers, a
+hint, and a replay line (with the run's seed) that rebuilds both schedulers.
 """
 from __future__ import annotations
 
@@ -55,8 +58,9 @@ def _sid(seq) -> str:
 
 
 class _Sim:
-    def __init__(self, cls: type, cfg: Config, label: str, seed: int, stats: dict) -> None:
+    def __init__(self, cls: type, cfg: Config, label: str, seed: int, stats: dict, ignore_eos: bool = False) -> None:
         self.cls, self.cfg, self.label, self.seed, self.stats = cls, cfg, label, seed, stats
+        self.ignore_eos = ignore_eos  # the fixed stories: every request generates exactly max_tokens
         self.ref = Scheduler(BlockAllocator(cfg.num_blocks, cfg.block_size), BlockTable, max_num_seqs=cfg.max_num_seqs,
                              max_num_batched_tokens=cfg.budget, max_model_len=cfg.max_model_len)
         self.stats["current"] = f"{cfg.describe(cls.__name__)}  ({label})"
@@ -85,7 +89,7 @@ class _Sim:
         else:
             steps, when = self.step_no, f"after the add_request calls before step {self.step_no + 1}"
         lines.append(f"To replay: from minipaged.checks import scheduler as sc\n"
-                     f"    mine, ref = sc.replay({self.cls.__name__}, {self.label!r}, steps={steps})"
+                     f"    mine, ref = sc.replay({self.cls.__name__}, {self.label!r}, steps={steps}, seed={self.seed})"
                      f"  # both schedulers {when}")
         return "\n".join(lines)
 
@@ -125,15 +129,18 @@ class _Sim:
         ]
         w = [max(len(r[i]) for r in rows) for i in range(3)]
         body = "\n".join("    " + r[0].ljust(w[0]) + "   " + r[1].ljust(w[1]) + "   " + r[2] for r in rows)
-        return body + "\n    (r3+5@2: request r3 computes 5 new tokens starting at position 2)"
+        return body + ("\n    (rID+N@P: request rID computes N new tokens this step, positions P .. P+N-1; "
+                       "computed/tokens: rID:num_computed_tokens/num_tokens)")
 
     # -- requests --------------------------------------------------------------------------
     def add(self, rid: int, prompt_len: int, max_tokens: int) -> None:
         prompt = [3 + (rid * 31 + i * 17) % 97 for i in range(prompt_len)]
-        r = Sequence(rid, prompt, max_tokens=max_tokens, eos_token_ids=(EOS,))
-        m = Sequence(rid, prompt, max_tokens=max_tokens, eos_token_ids=(EOS,))
+        r = Sequence(rid, prompt, max_tokens=max_tokens, eos_token_ids=(EOS,), ignore_eos=self.ignore_eos)
+        m = Sequence(rid, prompt, max_tokens=max_tokens, eos_token_ids=(EOS,), ignore_eos=self.ignore_eos)
         self.ref_seqs[rid], self.my_seqs[rid] = r, m
-        self.requests.append(f"r{rid}: prompt of {prompt_len} tokens, max_tokens={max_tokens}, arrives before step {self.step_no + 1}")
+        exactly = ", ignore_eos (generates exactly max_tokens)" if self.ignore_eos else ""
+        self.requests.append(f"r{rid}: prompt of {prompt_len} tokens, max_tokens={max_tokens}{exactly}, "
+                             f"arrives before step {self.step_no + 1}")
         exp = self.ref.add_request(r)
         what = f"sched.add_request(r{rid})"
         got = self.call(self.mine.add_request, m, what=what)
@@ -181,7 +188,8 @@ class _Sim:
         fin_r = self.ref.update(out_r, sampled)
         my_sampled = {k: v for k, v in sampled.items()}
         fin_m = self.call(self.mine.update, out_m, my_sampled, what="sched.update(out, sampled)")
-        note = " ".join(f"{_sid(self.ref_seqs[k])}->{'EOS' if v == EOS else v}" for k, v in sampled.items())
+        eos = "EOS (ignored)" if self.ignore_eos else "EOS"
+        note = " ".join(f"{_sid(self.ref_seqs[k])}->{eos if v == EOS else v}" for k, v in sampled.items())
         fins = " ".join(f"{_sid(s)} finished ({s.finish_reason.value})" for s in fin_r)
         pre = " ".join(_sid(s) for s in out_r.preempted)
         self.history.append(f"step {self.step_no}: scheduled {self._sched_text(out_r)}"
@@ -380,8 +388,9 @@ def _random(part: str, seed: int, k: int) -> tuple[str, Config, list]:
     return f"random {part} run {k + 1} (seed {seed})", cfg, reqs
 
 
-def _play(cls: type, label: str, cfg: Config, reqs: list, seed: int, stats: dict, steps: int | None = None) -> _Sim:
-    sim = _Sim(cls, cfg, label, seed, stats)
+def _play(cls: type, label: str, cfg: Config, reqs: list, seed: int, stats: dict, steps: int | None = None,
+          ignore_eos: bool = False) -> _Sim:
+    sim = _Sim(cls, cfg, label, seed, stats, ignore_eos=ignore_eos)
     sim.checking = steps is None
     pending = list(reqs)
     limit = 400
@@ -402,20 +411,26 @@ def _play(cls: type, label: str, cfg: Config, reqs: list, seed: int, stats: dict
     return sim
 
 
-def replay(cls: type, label: str, steps: int):
-    """Both schedulers of the check's run ``label`` after ``steps`` steps: ``(yours, reference)``."""
+def replay(cls: type, label: str, steps: int, seed: int | None = None):
+    """Both schedulers of the check's run ``label`` after ``steps`` steps: ``(yours, reference)``.
+
+    ``seed`` is the one the failure message prints (the check's seed): the fake model's tokens,
+    and so when a random run's requests end, depend on it. Without it, a random run's seed is
+    read from its label; the fixed stories ignore EOS, so they are the same for every seed.
+    """
+    stats = {"ops": 0, "runs": 0, "current": ""}
     for part in ("admission", "preemption", "rejection"):
         for lab, cfg, reqs in _fixed(part):
             if lab == label:
-                sim = _play(cls, lab, cfg, reqs, 0, {"ops": 0, "runs": 0, "current": ""}, steps=steps)
+                sim = _play(cls, lab, cfg, reqs, 0 if seed is None else seed, stats, steps=steps, ignore_eos=True)
                 return sim.mine, sim.ref
-        for seed in range(5):
+        for s in ([seed] if seed is not None else range(5)):
             for k in range(40):
-                lab, cfg, reqs = _random(part, seed, k)
+                lab, cfg, reqs = _random(part, s, k)
                 if lab == label:
-                    sim = _play(cls, lab, cfg, reqs, seed, {"ops": 0, "runs": 0, "current": ""}, steps=steps)
+                    sim = _play(cls, lab, cfg, reqs, s, stats, steps=steps)
                     return sim.mine, sim.ref
-    raise KeyError(f"no run named {label!r}")
+    raise KeyError(f"no run named {label!r}" + (f" with seed {seed}" if seed is not None else ""))
 
 
 def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: str) -> None:
@@ -427,7 +442,7 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
 
     def body():
         for label, cfg, reqs in _fixed(part):
-            _play(cls, label, cfg, reqs, seed, stats)
+            _play(cls, label, cfg, reqs, seed, stats, ignore_eos=True)
         for k in range(runs):
             label, cfg, reqs = _random(part, seed, k)
             _play(cls, label, cfg, reqs, seed, stats)
