@@ -206,7 +206,7 @@ def run_bench(
     """Run every system on one workload. Static and continuous get the same KV budget:
     exactly what ``static_batch`` contiguous max-length reservations take."""
     torch.manual_seed(seed)
-    num_requests = num_requests or (24 if quick else 96)
+    num_requests = num_requests or (24 if quick else 64)
     static_batch = static_batch or (8 if quick else 16)
     naive_requests = naive_requests or (3 if quick else 8)
     max_output = max_output or (96 if quick else 384)
