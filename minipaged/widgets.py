@@ -355,7 +355,7 @@ class BatchingTimeline(App):
     def draw(self) -> Figure:
         r = self.result
         parts = [f"{k}: {v['done']}/{v['requests']} done, {v['computing']} computing"
-                 + (f", {v['held_idle']} slots held idle" if v["held_idle"] else "")
+                 + (f", {v['held_idle']} slot{'s' if v['held_idle'] != 1 else ''} held idle" if v["held_idle"] else "")
                  for k, v in r.items() if k != "time"]
         return viz.plot_timeline(self.traces, cursor=r["time"],
                                  title=f"At time {r['time']:.4g} (red line): " + "; ".join(parts))
