@@ -76,7 +76,9 @@ def bench_block() -> str:
         + ".",
         f"- KV waste: paged **{r['systems']['continuous']['kv_waste'] * 100:.1f}%** vs contiguous max-length "
         f"reservation **{r['systems']['static']['kv_waste'] * 100:.1f}%**.",
-        f"- Same KV memory: paged held **{r.get('concurrency_ratio', 0):.1f}x** as many sequences at once.",
+        f"- Same KV memory: paged held **{r.get('concurrency_ratio', 0):.1f}x** as many sequences at once"
+        + (" (every request of the workload at once: the pool had room for more)"
+           if r["systems"]["continuous"]["peak_concurrent_seqs"] == w["num_requests"] else "") + ".",
         f"- This machine's fp32 GEMM runs at {c['gemm_gflops']:.0f} GFLOP/s: a compute-bound limit of "
         f"{c['compute_bound_tokens_per_s']:.0f} tokens/s for this model; continuous batching reached "
         f"{r['systems']['continuous']['fraction_of_compute_bound'] * 100:.0f}% of it.",
