@@ -9,6 +9,7 @@ the picture for its initial values instead and never waits for input.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 import os
 from typing import Any
 
@@ -38,7 +39,7 @@ def _in_kernel() -> bool:
     return get_ipython() is not None
 
 
-class App:
+class App(ABC):
     """A small interactive picture: ``values`` in, ``result`` (numbers) and ``figure`` out.
 
     In widget mode each control is an attribute (``app.seq_len.value = 900`` recomputes) and
@@ -59,15 +60,17 @@ class App:
         self._holding = False
 
     # -- subclasses fill these in ----------------------------------------------------------
-    def _controls(self, w) -> list:  # pragma: no cover - abstract
+    @abstractmethod
+    def _controls(self, w) -> list:
         """Build the controls into self.controls; return the rows of the layout."""
-        raise NotImplementedError
 
-    def compute(self) -> dict[str, Any]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def compute(self) -> dict[str, Any]:
+        """The numbers the picture shows, for the current control values."""
 
-    def draw(self) -> Figure:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def draw(self) -> Figure:
+        """The picture for self.result."""
 
     # -- the machinery ---------------------------------------------------------------------
     def _build(self) -> "App":

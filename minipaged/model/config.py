@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import UnsupportedModelError
+
 
 @dataclass
 class LlamaConfig:
@@ -61,7 +63,7 @@ class LlamaConfig:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in (None, "default"):
-            raise NotImplementedError(
+            raise UnsupportedModelError(
                 f"{name}: RoPE scaling {rope_type!r} is not implemented in minipaged (only plain RoPE); "
                 "pick a model whose config.json has no rope_scaling"
             )
@@ -72,7 +74,7 @@ class LlamaConfig:
         }
         for key, bad in unsupported.items():
             if bad:
-                raise NotImplementedError(
+                raise UnsupportedModelError(
                     f"{name}: config.json sets {key}={cfg.get(key)!r}, which minipaged's Llama does not implement"
                 )
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))

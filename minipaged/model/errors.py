@@ -18,5 +18,5 @@ class CorruptModelError(ModelLoadError, ValueError):
     """A model file exists but cannot be read (truncated download, wrong format)."""
 
 
-class UnsupportedModelError(ModelLoadError, NotImplementedError):
+class UnsupportedModelError(ModelLoadError, ValueError):
     """A readable model of an architecture or feature minipaged does not implement."""

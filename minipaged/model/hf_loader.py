@@ -47,8 +47,6 @@ def read_config(folder: Path) -> LlamaConfig:
         return LlamaConfig.from_hf_dict(cfg, name=folder.name)
     except KeyError as e:
         raise CorruptModelError(f"{path} lacks the key {e}") from e
-    except NotImplementedError as e:
-        raise UnsupportedModelError(str(e)) from e
 
 
 def safetensors_files(folder: Path) -> list[Path]:
