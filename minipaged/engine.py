@@ -210,9 +210,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.encode_prompt(prompt)
-        eos = () if self.tokenizer is None else tuple(self.tokenizer.eos_token_ids)
-        if self.tokenizer is None:
-            eos = tuple(getattr(self.model.config, "eos_token_ids", ()) or ())
+        source = self.tokenizer if self.tokenizer is not None else self.model.config
+        eos = tuple(getattr(source, "eos_token_ids", ()) or ())
         seq = Sequence(
             request_id,
             token_ids,
