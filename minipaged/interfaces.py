@@ -1,0 +1,136 @@
+"""The contracts between the engine and its parts: what a learner's piece must offer.
+
+Owns the *seams*, nothing else: three ``typing.Protocol``s (the block pool, the block table,
+the scheduler) and the paged-attention function's signature. Each Protocol holds exactly the
+members a learner writes in the workbooks; everything else the engine, trace, viz or the
+invariant checks need is a free function over those members (see ``parts.py``), so a learner's
+class with only these members serves a real model.
+
+Constructors are part of the contract:
+
+- ``allocator_cls(num_blocks, block_size)`` -> a ``BlockPool``
+- ``block_table_cls(allocator)`` -> a ``BlockTableProtocol`` (one per sequence)
+- ``scheduler_cls(allocator, block_table_cls, config)`` -> a ``SchedulerProtocol``, where
+  ``config`` is the engine's :class:`minipaged.config.EngineConfig`
+- ``attention``: a ``PagedAttentionFn`` (or a name, see ``minipaged.attention.get_backend``)
+
+A part says which non-default settings it supports with a class attribute ``supports``
+(a set of strings, e.g. ``{"chunked_prefill_off"}``), read from the class that defines the
+method the setting changes. The engine refuses a setting that the part does not declare,
+when it is built: nothing is silently ignored.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .scheduler import SchedulerOutput
+    from .sequence import FinishReason, Sequence
+
+
+@runtime_checkable
+class BlockPool(Protocol):
+    """A fixed pool of ``num_blocks`` physical KV blocks of ``block_size`` token slots.
+
+    A block is free (ref count 0) or used (ref count >= 1). ``allocate`` hands out free blocks
+    in free-list order (least recently freed first) and raises ``OutOfBlocksError`` when none
+    is left; ``free`` drops one reference and raises ``BlockAllocatorError`` on a double free;
+    ``incref`` adds a sharer to a used block.
+    """
+
+    num_blocks: int
+    block_size: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def allocate(self) -> int: ...
+
+    def free(self, block_id: int) -> None: ...
+
+    def incref(self, block_id: int) -> None: ...
+
+    def ref_count(self, block_id: int) -> int: ...
+
+
+@runtime_checkable
+class BlockTableProtocol(Protocol):
+    """One sequence's page table: logical block ``i`` lives in physical block ``blocks[i]``.
+
+    ``num_tokens`` counts the token slots in use; ``len(blocks) == ceil(num_tokens / block_size)``.
+    ``append_tokens`` is all or nothing: when the pool cannot cover the new tokens it raises
+    ``OutOfBlocksError`` and leaves the table as it was.
+    """
+
+    allocator: Any
+    block_size: int
+    blocks: list
+    num_tokens: int
+
+    def blocks_needed(self, num_new_tokens: int) -> int: ...
+
+    def append_tokens(self, num_new_tokens: int = 1) -> list: ...
+
+    def slot_mapping(self, start: int, end: int) -> "torch.Tensor": ...
+
+    def free(self) -> None: ...
+
+
+@runtime_checkable
+class SchedulerProtocol(Protocol):
+    """Who runs each step, and how many new tokens each.
+
+    The workbook has you write ``add_request`` and ``schedule`` (the policy). ``update``,
+    ``finish`` and ``abort`` are the bookkeeping every policy shares; a learner's scheduler
+    inherits them from :class:`minipaged.Scheduler`.
+    """
+
+    waiting: Any  # a deque of Sequence, in arrival order
+    running: list  # in admission order: the last one is preempted first
+
+    def add_request(self, seq: "Sequence") -> bool: ...
+
+    def schedule(self) -> "SchedulerOutput": ...
+
+    def update(self, out: "SchedulerOutput", sampled: dict) -> list: ...
+
+    def finish(self, seq: "Sequence", reason: "FinishReason") -> None: ...
+
+    def abort(self, seq_id: Any) -> "Optional[Sequence]": ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+class PagedAttentionFn(Protocol):
+    """``paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out=None)``.
+
+    q: (num_tokens, num_heads, head_dim), the new tokens of every sequence packed;
+    k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), new K/V already written;
+    block_tables: (num_seqs, max_blocks) int32; context_lens: (num_seqs,) int32 (cached + new);
+    query_start_loc: (num_seqs + 1,) int32, cumulative query lengths from 0.
+    Returns (num_tokens, num_heads, head_dim), written into ``out`` when it is given.
+    See ``minipaged.attention.reference`` for the exact maths.
+    """
+
+    def __call__(
+        self,
+        q: "torch.Tensor",
+        k_cache: "torch.Tensor",
+        v_cache: "torch.Tensor",
+        block_tables: "torch.Tensor",
+        context_lens: "torch.Tensor",
+        query_start_loc: "torch.Tensor",
+        scale: float,
+        out: "Optional[torch.Tensor]" = None,
+    ) -> "torch.Tensor": ...
+
+
+PROTOCOL_MEMBERS: dict[type, tuple[str, ...]] = {
+    BlockPool: ("num_blocks", "block_size", "num_free_blocks", "allocate", "free", "incref", "ref_count"),
+    BlockTableProtocol: ("allocator", "block_size", "blocks", "num_tokens", "blocks_needed", "append_tokens", "slot_mapping", "free"),
+    SchedulerProtocol: ("waiting", "running", "add_request", "schedule", "update", "finish", "abort", "has_unfinished"),
+}
+
+__all__ = ["BlockPool", "BlockTableProtocol", "SchedulerProtocol", "PagedAttentionFn", "PROTOCOL_MEMBERS"]
