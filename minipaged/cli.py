@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     if argv and argv[0] == "grade":
-        from .grading import main as grade_main
+        from .checks.grading import main as grade_main
 
         return grade_main(argv[1:])
     args = ap.parse_args(argv)

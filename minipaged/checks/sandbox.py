@@ -1,0 +1,231 @@
+"""Where a submission runs: its own process tree on a private copy, under bubblewrap when the
+machine has it, under resource limits always, killed at its wall-clock limit.
+
+Owns the command line of one run (bwrap's options, the limits, the environment) and collecting
+what comes back (the result channel, a capped log). Never decides a grade: grading.py reads the
+channel; the harness (harness.py) runs inside.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SANDBOX_DIR = "/tmp/submission"  # the private copy's path inside bwrap (a private /tmp)
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent.parent)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one workbook's run may use; every field is enforced, with or without bwrap."""
+
+    wall_s: float = 900.0  # the whole workbook, model load included; then SIGTERM, grace, SIGKILL
+    grace_s: float = 5.0
+    memory_bytes: int = 4 * 2**30  # RLIMIT_AS
+    cpu_s: int = 0  # RLIMIT_CPU; 0: twice wall_s
+    file_bytes: int = 64 * 2**20  # RLIMIT_FSIZE: any one file the run writes
+    procs: int = 256  # RLIMIT_NPROC, on top of what the user runs already (not enforced for root)
+    output_bytes: int = 256 * 2**10  # of stdout and stderr kept; the rest is read and dropped
+    result_bytes: int = 4 * 2**20  # of the result channel kept
+
+    def __post_init__(self) -> None:
+        for name in ("wall_s", "memory_bytes", "file_bytes", "procs", "output_bytes", "result_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)!r}")
+
+
+@dataclass
+class Outcome:
+    lines: list[bytes]  # the result channel, one line each, unverified
+    output: str  # stdout and stderr, capped
+    returncode: int | None
+    timed_out: bool
+    wall_s: float
+    bwrap: bool
+    extra: dict = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=1)
+def bwrap_path() -> str | None:
+    """The bwrap binary if it is installed and can make a sandbox here (user namespaces allowed)."""
+    exe = shutil.which("bwrap")
+    if exe is None:
+        return None
+    try:
+        ok = subprocess.run([exe, "--ro-bind", "/", "/", "--unshare-all", "--cap-drop", "ALL", "--", "true"],
+                            capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return exe if ok else None
+
+
+def _user_tasks() -> int:
+    """Processes and threads this user runs now (RLIMIT_NPROC counts them all)."""
+    uid, n = os.getuid(), 0
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if d.isdigit():
+            try:
+                if os.stat(f"/proc/{d}").st_uid == uid:
+                    n += len(os.listdir(f"/proc/{d}/task"))
+            except OSError:
+                pass
+    return n
+
+
+_LAUNCHER = (
+    "import os, resource, sys\n"
+    "for name, value in zip(('RLIMIT_AS', 'RLIMIT_CPU', 'RLIMIT_FSIZE', 'RLIMIT_NPROC', 'RLIMIT_CORE'), sys.argv[1:6]):\n"
+    "    v = int(value)\n"
+    "    hard = resource.getrlimit(getattr(resource, name))[1]\n"
+    "    v = v if hard == resource.RLIM_INFINITY else min(v, hard)\n"
+    "    resource.setrlimit(getattr(resource, name), (v, v))\n"
+    "os.execv(sys.argv[6], sys.argv[6:])\n"
+)
+
+
+def _needed_paths() -> list[str]:
+    """What the harness must read: the package, the interpreter and its libraries."""
+    paths = {_PACKAGE_PARENT, sys.prefix, sys.base_prefix, sys.exec_prefix}
+    paths |= {p for p in sys.path if p and os.path.isdir(p)}
+    return sorted(paths)
+
+
+def command(workdir: Path, *, use_bwrap: bool, hide: list[str], env: dict, limits: Limits, procs: int) -> list[str]:
+    cpu = limits.cpu_s or int(2 * limits.wall_s) + 1
+    python = [sys.executable, "-s", "-m", "minipaged.checks.harness"]
+    inner = python
+    if use_bwrap:
+        exe = bwrap_path()
+        assert exe is not None
+        b = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        for h in hide:  # the class folder and the grader's output: not even readable
+            if os.path.isdir(h) and not h.startswith("/tmp/"):
+                b += ["--tmpfs", h]
+        for p in _needed_paths():  # under /tmp or a hidden folder, the package must still be there, read-only
+            if p.startswith("/tmp/") or any((p + "/").startswith(h.rstrip("/") + "/") for h in hide):
+                b += ["--ro-bind", p, p]
+        for dev in sorted(Path("/dev").glob("nvidia*")):  # a GPU, for workbook 05 on a GPU machine
+            b += ["--dev-bind", str(dev), str(dev)]
+        b += ["--bind", str(workdir), SANDBOX_DIR, "--chdir", SANDBOX_DIR,
+              "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
+        for k, v in env.items():
+            b += ["--setenv", k, v]
+        inner = b + ["--"] + python
+    return [sys.executable, "-I", "-c", _LAUNCHER, str(limits.memory_bytes), str(cpu), str(limits.file_bytes),
+            str(procs), "0", *inner]
+
+
+def environment(workdir: str, *, use_bwrap: bool) -> dict:
+    home = "/tmp" if use_bwrap else workdir
+    env = {
+        "PATH": os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"]),
+        "HOME": home, "TMPDIR": home, "XDG_CACHE_HOME": os.path.join(home, ".cache"),
+        "PYTHONPATH": _PACKAGE_PARENT, "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "LANG": "C.UTF-8", "MPLBACKEND": "Agg",
+        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+        "MINIPAGED_WORKBOOKS": workdir, "HF_HUB_OFFLINE": "1",
+    }
+    for k in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "MINIPAGED_CHECK_NO_ALARM"):
+        if k in os.environ:
+            env[k] = os.environ[k]
+    return env
+
+
+def _drain(fd: int, cap: int, out: list[bytes]) -> None:
+    kept = 0
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        while True:
+            chunk = f.read(65536)
+            if not chunk:
+                return
+            if kept < cap:
+                out.append(chunk[: cap - kept])
+                kept += len(out[-1])
+
+
+def run(job: bytes, workdir: Path, *, use_bwrap: bool, limits: Limits, hide: list[str] = (),
+        procs_base: int | None = None, stop: threading.Event | None = None) -> Outcome:
+    """Run the harness on ``workdir`` with ``job`` on its stdin; wait for it within the limits.
+
+    ``job`` must hold ``"result_fd": RESULT_FD_PLACEHOLDER``; it is set to the channel's descriptor here.
+    ``stop``, when set (Ctrl-C in the grader), ends the run like a time-out."""
+    rfd, wfd = os.pipe()
+    os.set_inheritable(wfd, True)
+    job = job.replace(b'"result_fd": -1', b'"result_fd": %d' % wfd)
+    base = procs_base if procs_base is not None else _user_tasks()
+    inner_dir = SANDBOX_DIR if use_bwrap else str(workdir)
+    env = environment(inner_dir, use_bwrap=use_bwrap)
+    cmd = command(workdir, use_bwrap=use_bwrap, hide=list(hide), env=env, limits=limits, procs=base + limits.procs)
+    t0 = time.monotonic()
+    log_r, log_w = os.pipe()
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log_w, stderr=log_w, pass_fds=(wfd,),
+                                cwd=str(workdir), env=env, start_new_session=True, close_fds=True)
+    finally:
+        os.close(wfd)
+        os.close(log_w)
+    lines_raw: list[bytes] = []
+    output: list[bytes] = []
+    readers = [threading.Thread(target=_drain, args=(rfd, limits.result_bytes, lines_raw), daemon=True),
+               threading.Thread(target=_drain, args=(log_r, limits.output_bytes, output), daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        proc.stdin.write(job)
+        proc.stdin.close()
+    except (BrokenPipeError, OSError):
+        pass
+    timed_out = False
+    deadline = t0 + limits.wall_s
+    while True:
+        try:
+            proc.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline or (stop is not None and stop.is_set()):
+                timed_out = True
+                _kill_group(proc, limits.grace_s)
+                break
+    for t in readers:
+        t.join(timeout=limits.grace_s + 5)
+    if proc.poll() is None:  # a reader still blocked: something in the group kept a pipe open
+        _kill_group(proc, 0)
+    wall = time.monotonic() - t0
+    data = b"".join(lines_raw)
+    return Outcome(lines=data.split(b"\n"), output=b"".join(output).decode("utf-8", "replace"),
+                   returncode=proc.returncode, timed_out=timed_out, wall_s=wall, bwrap=use_bwrap)
+
+
+def _kill_group(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the run's process group, then SIGKILL it after ``grace`` seconds, whatever it ignores."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def resource_summary(limits: Limits) -> str:
+    return (f"{limits.memory_bytes / 2**30:.1f} GiB address space, {limits.cpu_s or int(2 * limits.wall_s) + 1} s CPU, "
+            f"{limits.file_bytes // 2**20} MiB per file, {limits.wall_s:.0f} s wall clock")
+
+
+__all__ = ["Limits", "Outcome", "SANDBOX_DIR", "bwrap_path", "run", "resource_summary"]
