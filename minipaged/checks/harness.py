@@ -123,13 +123,14 @@ class Snapshot:
             for k, v in attrs.items():
                 if now.get(k, _MISSING) is not v and k not in ("__weakref__", "__dict__", "__abstractmethods__", "_abc_impl"):
                     out.append(f"{name}.{k} was replaced")
-            added = [k for k in now if k not in attrs and not k.startswith("__")]
+            added = [k for k in now if k not in attrs and k not in ("__abstractmethods__", "_abc_impl", "__parameters__")]
             if added:
                 out.append(f"{name} gained {', '.join(sorted(added)[:5])}")
         for name, f, state in self.functions:
             if self._fn(f) != state:
                 out.append(f"the code of {name} was changed")
-        if sys.meta_path != self.meta_path or sys.path_hooks != self.path_hooks:
+        # a library imported later may append a finder (six does); one put in front would intercept minipaged's imports
+        if sys.meta_path[: len(self.meta_path)] != self.meta_path or sys.path_hooks[: len(self.path_hooks)] != self.path_hooks:
             out.append("the import system (sys.meta_path or sys.path_hooks) was changed")
         if sys.gettrace() is not None or sys.getprofile() is not None:
             out.append("a trace or profile hook was installed")
@@ -241,6 +242,8 @@ def main() -> int:
     for m in pkgutil.iter_modules(minipaged.checks.__path__):
         if m.name not in ("harness", "grading", "sandbox"):
             importlib.import_module(f"minipaged.checks.{m.name}")
+    for name in job.get("preload", []):  # what a check imports late and that rebinds names it watches
+        importlib.import_module(name)
     skips: list[str] = []
     genuine = {f.__code__ for mod in list(sys.modules.values()) if isinstance(mod, types.ModuleType)
                and getattr(mod, "__name__", "").startswith("minipaged.checks.")

@@ -1,0 +1,342 @@
+"""The grader (minipaged.checks.grading): a class you can trust.
+
+- a hostile class folder (tests/hostile/make_class.py) graded with bwrap and without: every attack
+  scores not passed with its reason, honest learners pass, the broken files are reported and the
+  others still graded, and no file outside the sandboxes changes (sha256 of every file before/after);
+- the wall-clock limit holds for a loop that ignores SIGINT and SIGTERM;
+- results are appended atomically, never through a symlink, formulas escaped; --resume; Ctrl-C;
+- the plan (which cells run) and the signed result channel, on their own.
+
+The graders run as subprocesses on a copy of the package, so that an attack that got through
+would damage only the copy. Each class is graded once per mode and shared by the tests.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent / "hostile"))
+
+import make_class  # noqa: E402
+
+from minipaged.checks import canonical, grading, sandbox  # noqa: E402
+
+HAVE_BWRAP = sandbox.bwrap_path() is not None
+NO_BWRAP = "bwrap (bubblewrap) is not installed or cannot create namespaces here: apt-get install bubblewrap"
+
+
+def _copy_package(dest: Path) -> Path:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "minipaged", dest / "minipaged", ignore=ignore)
+    shutil.copytree(ROOT / "exercises", dest / "exercises", ignore=ignore)
+    return dest
+
+
+def _env(pkg: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    env.update(PYTHONPATH=str(pkg), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def _grade(pkg: Path, out: Path, *args: str, timeout: float = 600) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-m", "minipaged", "grade", *args], cwd=out, env=_env(pkg),
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _digests(root: Path, skip: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if skip in p.parents or p == skip or "__pycache__" in p.parts:
+            continue
+        if p.is_symlink():
+            out[str(p)] = "symlink -> " + os.readlink(p)
+        elif p.is_file():
+            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+class Graded:
+    def __init__(self, root: Path, rc: int, output: str, rows: list[dict], before: dict, after: dict, expected: dict):
+        self.root, self.rc, self.output, self.rows = root, rc, output, rows
+        self.before, self.after, self.expected = before, after, expected
+
+
+def _grade_hostile(tmp: Path, *flags: str) -> Graded:
+    pkg = _copy_package(tmp / "pkg")
+    expected = make_class.build(tmp, pkg)
+    out = tmp / "out"
+    before = {**_digests(tmp, out), **_digests(ROOT / "minipaged", out)}
+    rc, output = _grade(pkg, out, str(tmp / "class"), "--csv", str(out / "grades.csv"), "--jobs", "2",
+                        "--timeout", "300", *flags)
+    after = {**_digests(tmp, out), **_digests(ROOT / "minipaged", out)}
+    rows = _rows(out / "grades.jsonl") if (out / "grades.jsonl").exists() else []
+    return Graded(tmp, rc, output, rows, before, after, expected)
+
+
+@pytest.fixture(scope="module")
+def graded_bwrap(tmp_path_factory) -> Graded:
+    if not HAVE_BWRAP:
+        pytest.skip(NO_BWRAP)
+    return _grade_hostile(tmp_path_factory.mktemp("hostile_bwrap"))
+
+
+@pytest.fixture(scope="module")
+def graded_plain(tmp_path_factory) -> Graded:
+    return _grade_hostile(tmp_path_factory.mktemp("hostile_plain"), "--no-sandbox")
+
+
+def _check_class(g: Graded) -> None:
+    assert g.rows, "the grader wrote no rows:\n" + g.output[-4000:]
+    by: dict = {}
+    for r in g.rows:
+        by.setdefault((r["learner"], r["workbook"]), {})[r["check"]] = r
+    problems = []
+    for learner, workbooks in g.expected.items():
+        if learner in make_class.DELEGATION:
+            continue  # test_delegation_verdicts_are_surfaced
+        for wb, checks in workbooks.items():
+            got = by.get((learner, wb))
+            if got is None:
+                problems.append(f"{learner}/{wb}: no rows")
+                continue
+            for check, (result, text) in checks.items():
+                r = got.get(check)
+                if r is None:
+                    problems.append(f"{learner}/{wb}/{check}: no row (rows: {sorted(got)})")
+                elif r["result"] != result or text not in r["message"]:
+                    problems.append(f"{learner}/{wb}/{check}: {r['result']} {r['message'][:200]!r}, expected {result} with {text!r}")
+            if learner.startswith(("b_", "c_", "d_", "zz_", "unsolved")):
+                passed = [c for c, r in got.items() if r["result"] in ("pass", "skip")]
+                if passed:
+                    problems.append(f"{learner}/{wb}: an attack on an unsolved workbook passed {passed}")
+    assert not problems, "\n".join(problems) + "\n\n" + g.output[-3000:]
+    assert g.rc == 1, g.output[-3000:]
+
+
+def _check_files(g: Graded) -> None:
+    changed = sorted(k for k in set(g.before) | set(g.after) if g.before.get(k) != g.after.get(k))
+    assert not changed, f"files outside the sandboxes changed: {changed}"
+
+
+@pytest.mark.slow
+def test_hostile_class_with_bwrap(graded_bwrap: Graded) -> None:
+    _check_class(graded_bwrap)
+    _check_files(graded_bwrap)
+    assert "NOT sandboxed" not in graded_bwrap.output
+
+
+@pytest.mark.slow
+def test_hostile_class_without_bwrap(graded_plain: Graded) -> None:
+    """Resource limits and a Python audit hook only: the file attacks made from Python are refused too."""
+    _check_class(graded_plain)
+    _check_files(graded_plain)
+    warning = [ln for ln in graded_plain.output.splitlines() if "NOT sandboxed" in ln]
+    assert len(warning) == 1, graded_plain.output[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bwrap", "plain"])
+def test_delegation_verdicts_are_surfaced(mode: str, request) -> None:
+    """minipaged's own class under the learner's name: the checks refuse it, the grader reports their verdict."""
+    from minipaged import BlockAllocator
+    from minipaged.checks import CheckFailed, block_allocator
+
+    class Sub(BlockAllocator):
+        pass
+
+    for learner, part in (("e_alias", BlockAllocator), ("e_subclass", Sub)):
+        try:
+            block_allocator.check_allocate_free(part)
+        except CheckFailed:
+            pass
+        else:
+            pytest.skip("the checks do not refuse minipaged's own BlockAllocator yet (issue 11, delegation refusals)")
+    g = request.getfixturevalue("graded_bwrap" if mode == "bwrap" else "graded_plain")
+    for learner in make_class.DELEGATION:
+        rows = [r for r in g.rows if r["learner"] == learner and not r["check"].startswith("(")]
+        assert rows and all(r["result"] == "FAIL" and "minipaged" in r["message"] for r in rows), rows
+
+
+@pytest.mark.slow
+def test_wall_clock_limit_holds_for_a_loop_that_ignores_signals(tmp_path: Path) -> None:
+    pkg = _copy_package(tmp_path / "pkg")
+    nb = nbformat.read(ROOT / "solutions" / "01_kv_cache_math.ipynb", as_version=4)
+    make_class._insert_after_answer(nb, "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                                        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True:\n    pass")
+    (tmp_path / "class" / "looper").mkdir(parents=True)
+    nbformat.write(nb, tmp_path / "class" / "looper" / "01_kv_cache_math.ipynb")
+    out = tmp_path / "out"
+    out.mkdir()
+    t0 = time.monotonic()
+    rc, output = _grade(pkg, out, str(tmp_path / "class"), "--timeout", "15", "--no-sandbox", timeout=300)
+    elapsed = time.monotonic() - t0
+    rows = _rows(out / "grades.jsonl")
+    assert rc == 1 and rows, output
+    assert all(r["result"] == "FAIL" and "ran past the grader's limit of 15 s" in r["message"] for r in rows), rows
+    assert elapsed < 15 + sandbox.Limits().grace_s + 120, f"the grader took {elapsed:.0f} s for a 15 s limit"
+
+
+# -- results: atomic, never through a symlink, formulas escaped, --resume, Ctrl-C --------------
+def _small_class(root: Path, learners: dict[str, str]) -> Path:
+    for name, folder in learners.items():
+        (root / "class" / name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / folder / "01_kv_cache_math.ipynb", root / "class" / name)
+    return root / "class"
+
+
+@pytest.mark.slow
+def test_results_resume_and_refuse_symlinks(tmp_path: Path) -> None:
+    pkg = _copy_package(tmp_path / "pkg")
+    cls = _small_class(tmp_path, {"=HYPERLINK(evil)": "solutions"})
+    out = tmp_path / "out"
+    out.mkdir()
+    instructor = tmp_path / "notes.txt"
+    instructor.write_text("keep me")
+    (out / "grades.csv").symlink_to(instructor)
+    rc, output = _grade(pkg, out, str(cls))
+    assert rc == 2 and "symbolic link" in output and instructor.read_text() == "keep me"
+    (out / "grades.csv").unlink()
+
+    rc, output = _grade(pkg, out, str(cls), "--no-sandbox")
+    assert rc == 0, output
+    cells = list(csv.reader((out / "grades.csv").open(encoding="utf-8")))
+    assert all(row[0] == "'=HYPERLINK(evil)" for row in cells[1:]) and len(cells) == 4
+    assert all(r["learner"] == "=HYPERLINK(evil)" for r in _rows(out / "grades.jsonl"))  # JSON keeps the name
+
+    rc, output = _grade(pkg, out, str(cls), "--no-sandbox")
+    assert rc == 2 and "--resume" in output, output  # never silently replaced
+    _small_class(tmp_path, {"dave": "exercises"})
+    rc, output = _grade(pkg, out, str(cls), "--no-sandbox", "--resume")
+    assert rc == 1 and "1 submission(s) graded already, 1 to go" in output, output
+    rows = _rows(out / "grades.jsonl")
+    assert {r["learner"] for r in rows} == {"=HYPERLINK(evil)", "dave"} and len(rows) == 6
+    assert not list(out.glob(".*.tmp")), "a temp file was left behind"
+
+
+def test_store_never_writes_through_a_symlink(tmp_path: Path) -> None:
+    store = grading.Store(tmp_path / "g.csv", tmp_path / "g.jsonl", resume=False, overwrite=False)
+    row = grading.Row("ann", "01_kv_cache_math", "bytes per token", "pass", "", "f", "x")
+    store.append([row])
+    target = tmp_path / "instructor.txt"
+    target.write_text("keep me")
+    (tmp_path / "g.csv").unlink()
+    (tmp_path / "g.csv").symlink_to(target)  # a symlink that appears during the run
+    with pytest.raises(grading.GradingError, match="symbolic link"):
+        store.append([row])
+    assert target.read_text() == "keep me"
+    assert grading._escape_formula("=1+1") == "'=1+1" and grading._escape_formula("@x") == "'@x"
+    assert grading._escape_formula("-2") == "'-2" and grading._escape_formula("ok") == "ok"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_cleanly_and_keeps_what_is_done(tmp_path: Path) -> None:
+    pkg = _copy_package(tmp_path / "pkg")
+    cls = _small_class(tmp_path, {"a_first": "solutions"})
+    nb = nbformat.read(ROOT / "solutions" / "01_kv_cache_math.ipynb", as_version=4)
+    make_class._insert_after_answer(nb, "while True:\n    pass")
+    (cls / "b_slow").mkdir()
+    nbformat.write(nb, cls / "b_slow" / "01_kv_cache_math.ipynb")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "minipaged", "grade", str(cls), "--jobs", "1", "--no-sandbox"],
+                            cwd=out, env=_env(pkg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not ((out / "grades.jsonl").exists() and _rows(out / "grades.jsonl")):
+        time.sleep(0.5)
+    time.sleep(2)  # b_slow is now in its loop
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    rows = _rows(out / "grades.jsonl")
+    assert {r["learner"] for r in rows} == {"a_first"} and all(r["result"] == "pass" for r in rows), rows
+    assert "--resume" in output
+
+
+# -- the plan and the channel, without running anything -----------------------------------------
+EX02 = ROOT / "exercises" / "02_block_allocator.ipynb"
+
+
+def _plan_of(tmp_path: Path, nb) -> canonical.Plan:
+    p = tmp_path / "sub.ipynb"
+    nbformat.write(nb, p) if not isinstance(nb, str) else p.write_text(nb)
+    return canonical.build_plan(EX02, p, "02_block_allocator")
+
+
+def test_plan_runs_the_pristine_checks_and_names_each_change(tmp_path: Path) -> None:
+    pristine = nbformat.read(EX02, as_version=4)
+    plan = _plan_of(tmp_path, pristine)
+    assert plan.tampering == [] and plan.checks == ["allocate and free", "ref counts and sharing"]
+    assert [c.kind for c in plan.cells] == ["code", "check", "check"]
+    assert [c.source for c in plan.cells if c.kind == "check"] == [
+        c.source for c in pristine.cells if "check" in c.metadata.get("tags", [])]
+    nb = nbformat.read(EX02, as_version=4)
+    checks = [c for c in nb.cells if "check" in c.metadata.get("tags", [])]
+    checks[0].source += "\nprint('x')"
+    checks[1].metadata["tags"] = ["skip-execution"]
+    plan = _plan_of(tmp_path, nb)
+    assert plan.tampering == ["check 'allocate and free' was edited",
+                              "check 'ref counts and sharing' was re-tagged (['skip-execution'] instead of ['check'])"]
+    assert "print('x')" not in "".join(c.source for c in plan.cells)
+    nb.cells = [c for c in nb.cells if c is not checks[0]]
+    assert "check 'allocate and free' was deleted" in _plan_of(tmp_path, nb).tampering
+
+
+def test_plan_falls_back_on_position_without_ids(tmp_path: Path) -> None:
+    nb = nbformat.read(ROOT / "solutions" / "02_block_allocator.ipynb", as_version=4)
+    nb.nbformat_minor = 4
+    for c in nb.cells:
+        c.pop("id", None)
+    nb.cells.insert(5, nbformat.v4.new_code_cell("helper = 1"))  # between the two checks
+    del nb.cells[5]["id"]
+    plan = _plan_of(tmp_path, nb)
+    assert plan.tampering == []
+    assert "class MyBlockAllocator" in plan.cells[0].source
+    assert [c.kind for c in plan.cells] == ["code", "check", "code", "check"] and plan.cells[2].source == "helper = 1"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{ not json", "invalid JSON"),
+    (json.dumps({"cells": 5}), "no list of cells"),
+    (json.dumps({"cells": [{"cell_type": "code", "source": 5, "metadata": {}}]}), "cell 0: source is int"),
+    (json.dumps({"cells": [{"cell_type": "code", "source": "", "metadata": {"tags": 5}}]}), "metadata.tags is 5"),
+    (json.dumps({"cells": [7]}), "cell 0 is int"),
+    ("[" * 100000 + "]" * 100000, "not a notebook"),
+])
+def test_malformed_notebooks_are_reported(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(canonical.BrokenNotebook, match=message.replace("(", r"\(")):
+        _plan_of(tmp_path, text)
+
+
+def test_only_signed_lines_in_order_count() -> None:
+    key = b"k" * 32
+    import hmac as _hmac
+
+    def line(body: dict) -> bytes:
+        b = json.dumps(body).encode()
+        return b + b"\t" + _hmac.new(key, b, "sha256").hexdigest().encode()
+
+    good = [line({"event": "ready", "seq": 0}), line({"event": "check", "check": "x", "result": "FAIL", "seq": 1})]
+    events, bad = grading._verify(good, key)
+    assert [e["event"] for e in events] == ["ready", "check"] and bad == []
+    forged = good[:1] + [b'{"event": "check", "check": "x", "result": "pass", "seq": 1}\tdead'] + good[1:]
+    events, bad = grading._verify(forged, key)
+    assert len(bad) == 1 and events[1]["result"] == "FAIL"
+    replay = good + [good[1]]
+    assert grading._verify(replay, key)[1] == ["a signed line out of order (#1 where #2 was due)"]
