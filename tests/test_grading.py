@@ -78,9 +78,14 @@ class Graded:
         self.before, self.after, self.expected = before, after, expected
 
 
-def _grade_hostile(tmp: Path, *flags: str) -> Graded:
+def _grade_hostile(tmp: Path, *flags: str, only: tuple[str, ...] = ()) -> Graded:
     pkg = _copy_package(tmp / "pkg")
     expected = make_class.build(tmp, pkg)
+    if only:  # a part of the class, to keep the suite short
+        for learner in list(expected):
+            if not learner.startswith(only):
+                shutil.rmtree(tmp / "class" / learner)
+                del expected[learner]
     out = tmp / "out"
     before = {**_digests(tmp, out), **_digests(ROOT / "minipaged", out)}
     rc, output = _grade(pkg, out, str(tmp / "class"), "--csv", str(out / "grades.csv"), "--jobs", "2",
@@ -99,7 +104,10 @@ def graded_bwrap(tmp_path_factory) -> Graded:
 
 @pytest.fixture(scope="module")
 def graded_plain(tmp_path_factory) -> Graded:
-    return _grade_hostile(tmp_path_factory.mktemp("hostile_plain"), "--no-sandbox")
+    # The harness and its verdicts are the same with or without bwrap (the bwrap class covers every
+    # attack on them); here: every file-system attack, the honest, a forged channel, broken files.
+    return _grade_hostile(tmp_path_factory.mktemp("hostile_plain"), "--no-sandbox",
+                          only=("honest_", "unsolved_", "zz_", "a_", "b_patch_builtins", "d_os_exit_forged", "e_", "f_"))
 
 
 def _check_class(g: Graded) -> None:

@@ -281,6 +281,8 @@ def main() -> int:
     except ImportError:
         pass
     check_bound: dict[str, object] = {}
+    # parsed now: ast (pure Python) would run on the learner's builtins later
+    binds = {idx: _bound_names(c["source"]) for idx, c in enumerate(job["cells"]) if c["kind"] == "check"}
     for idx, cell in enumerate(job["cells"]):
         emit(event="start", cell=idx)
         src = _python_only(cell["source"])
@@ -292,31 +294,34 @@ def main() -> int:
                 emit(event="cell", cell=idx, label=cell["label"], result="ERROR",
                      message=msg if result == "ERROR" else f"{type(e).__name__}: {msg}")
             continue
-        problems = tampered()
-        if ns.get("__builtins__") is not builtins:
-            problems.append("__builtins__ of the notebook was replaced")
-        for k, v in check_bound.items():
-            if ns.get(k, _MISSING) is not v:
-                problems.append(f"your code rebound `{k}`, which a check cell set")
-                ns[k] = v
-        ns["__builtins__"] = builtins
-        del skips[:]
-        result, msg = "pass", ""
-        if not problems:
-            try:
-                _exec(_compile(src, f"<{cell['label']}>", "exec"), ns)
-            except _BaseException as e:  # noqa: BLE001 - every way a check can end is a verdict
-                result, msg = _describe(e)
+        try:
             problems = tampered()
-        if problems:
-            result = "FAIL"
-            msg = ("your code changed what the checks rely on: " + "; ".join(problems[:4])
-                   + ". Checks run against minipaged as installed: remove that code.")[:MAX_MESSAGE]
-        elif result == "pass" and skips:
-            result, msg = "skip", _first_line(skips[0])
-        for k in _bound_names(cell["source"]):
-            if k in ns:
-                check_bound[k] = ns[k]
+            if ns.get("__builtins__") is not builtins:
+                problems.append("__builtins__ of the notebook was replaced")
+            for k, v in check_bound.items():
+                if ns.get(k, _MISSING) is not v:
+                    problems.append(f"your code rebound `{k}`, which a check cell set")
+                    ns[k] = v
+            ns["__builtins__"] = builtins
+            del skips[:]
+            result, msg = "pass", ""
+            if not problems:
+                try:
+                    _exec(_compile(src, f"<{cell['label']}>", "exec"), ns)
+                except _BaseException as e:  # noqa: BLE001 - every way a check can end is a verdict
+                    result, msg = _describe(e)
+                problems = tampered()
+            if problems:
+                result = "FAIL"
+                msg = ("your code changed what the checks rely on: " + "; ".join(problems[:4])
+                       + ". Checks run against minipaged as installed: remove that code.")[:MAX_MESSAGE]
+            elif result == "pass" and skips:
+                result, msg = "skip", _first_line(skips[0])
+            for k in binds[idx]:
+                if k in ns:
+                    check_bound[k] = ns[k]
+        except _BaseException as e:  # noqa: BLE001 - the harness itself broken by what the learner's code did
+            result, msg = "FAIL", f"your code broke the checks' environment ({type(e).__name__} in the grader's harness)"
         emit(event="check", cell=idx, check=cell["check"], result=result, message=msg[:MAX_MESSAGE])
     emit(event="done")
     return 0
