@@ -39,6 +39,11 @@ notebooks: $(STAMP)
 exercises: $(STAMP)
 	$(PY) scripts/make_exercises.py
 
+# Grade solutions/ as a learner's submission, sandboxed like a class: every check must pass.
+grade-solutions: $(STAMP)
+	@mkdir -p build
+	$(VENV)/bin/minipaged grade solutions --csv build/grades-solutions.csv --overwrite
+
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 
