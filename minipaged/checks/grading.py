@@ -121,9 +121,16 @@ def discover(paths: list[str]) -> tuple[list[Submission], list[Row]]:
             continue
         for f in sorted(path.rglob("*")):
             rel = f.relative_to(path)
-            if f.is_symlink() or not f.is_file() or any(part.startswith(".") for part in rel.parts):
+            if any(part.startswith(".") for part in rel.parts):
                 continue
             stem = identify(f.name)
+            if f.is_symlink():  # it could point anywhere, a classmate's file or the instructor's
+                if f.suffix == ".ipynb" or stem is not None:
+                    rows.append(Row(_learner(f, path, stem), stem or f.stem, "(file)", "broken",
+                                    "a symbolic link, not a file: put the notebook itself in the folder", str(f)))
+                continue
+            if not f.is_file():
+                continue
             if f.suffix == ".ipynb":
                 subs.append(Submission(_learner(f, path, stem), stem or f.stem, f))
             elif stem is not None:  # named like a workbook, but not a notebook
@@ -217,7 +224,7 @@ def _private_copy(sub: Submission, siblings: list[Submission], scratch: Path | N
                 newest[s.workbook] = s
     newest[sub.workbook] = sub
     for stem, s in newest.items():
-        shutil.copyfile(s.path, work / f"{stem}.ipynb", follow_symlinks=False)
+        shutil.copyfile(s.path, work / f"{stem}.ipynb")
     return work
 
 

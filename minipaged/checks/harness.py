@@ -245,9 +245,15 @@ def main() -> int:
     for name in job.get("preload", []):  # what a check imports late and that rebinds names it watches
         importlib.import_module(name)
     skips: list[str] = []
-    genuine = {f.__code__ for mod in list(sys.modules.values()) if isinstance(mod, types.ModuleType)
-               and getattr(mod, "__name__", "").startswith("minipaged.checks.")
-               for f in vars(mod).values() if isinstance(f, types.FunctionType)}
+    genuine: set = set()
+    todo = [f.__code__ for mod in list(sys.modules.values()) if isinstance(mod, types.ModuleType)
+            and getattr(mod, "__name__", "").startswith("minipaged.checks.")
+            for f in vars(mod).values() if isinstance(f, types.FunctionType)]
+    while todo:  # the checks' functions and everything nested in them
+        code = todo.pop()
+        if code not in genuine:
+            genuine.add(code)
+            todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
     real_skipped = _core.skipped
 
     def skipped(line: str) -> None:  # a skip counts only when a check itself said it
@@ -260,6 +266,13 @@ def main() -> int:
         if isinstance(mod, types.ModuleType) and getattr(mod, "__name__", "").startswith("minipaged.checks") \
                 and vars(mod).get("skipped") is real_skipped:
             mod.skipped = skipped
+    ns: dict = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        from IPython.display import display
+
+        ns["display"] = display
+    except ImportError:
+        pass
     snap = Snapshot()
     changes, trusted = snap.changes, [(f, f.__code__) for f in (Snapshot.changes, Snapshot._fn, _describe, _first_line,
                                                                    _bound_names, _python_only)]
@@ -273,13 +286,6 @@ def main() -> int:
         install_guard(job["workdir"])
     emit(event="ready")
 
-    ns: dict = {"__name__": "__main__", "__builtins__": builtins}
-    try:
-        from IPython.display import display
-
-        ns["display"] = display
-    except ImportError:
-        pass
     check_bound: dict[str, object] = {}
     # parsed now: ast (pure Python) would run on the learner's builtins later
     binds = {idx: _bound_names(c["source"]) for idx, c in enumerate(job["cells"]) if c["kind"] == "check"}

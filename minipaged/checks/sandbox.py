@@ -93,7 +93,8 @@ _LAUNCHER = (
 def _needed_paths() -> list[str]:
     """What the harness must read: the package, the interpreter and its libraries."""
     paths = {_PACKAGE_PARENT, sys.prefix, sys.base_prefix, sys.exec_prefix}
-    paths |= {p for p in sys.path if p and os.path.isdir(p)}
+    cwd = os.path.realpath(os.getcwd())  # on sys.path under `python -m`: the grades may be there, keep it out
+    paths |= {p for p in sys.path if p and os.path.isdir(p) and os.path.realpath(p) != cwd}
     return sorted(paths)
 
 
