@@ -130,7 +130,7 @@ def _check_class(g: Graded) -> None:
                     problems.append(f"{learner}/{wb}/{check}: no row (rows: {sorted(got)})")
                 elif r["result"] != result or text not in r["message"]:
                     problems.append(f"{learner}/{wb}/{check}: {r['result']} {r['message'][:200]!r}, expected {result} with {text!r}")
-            if learner.startswith(("b_", "c_", "d_", "zz_", "unsolved")):
+            if learner.startswith(("b_", "c_", "d_", "g_", "zz_", "unsolved")):
                 passed = [c for c, r in got.items() if r["result"] in ("pass", "skip")]
                 if passed:
                     problems.append(f"{learner}/{wb}: an attack on an unsolved workbook passed {passed}")

@@ -182,6 +182,16 @@ def build(root: Path, package: Path) -> dict:
                    "import os\nMyBlockAllocator.__init__ = lambda self, *a, **k: os._exit(0)",
                    {A02: ("ERROR", "the run ended before this check finished"), S02: ("ERROR", "ended")})
 
+    # a classmate's solved notebook, read and run at grading time: bwrap hides the class folder
+    # (without bwrap it is readable, as docs/instructor.md says; tests grade this one in bwrap only)
+    verdict_attack("g_copy_classmate",
+                   "import json\ntry:\n"
+                   f"    cells = json.load(open({str(cls / 'honest_alice' / '02_block_allocator.ipynb')!r}))['cells']\n"
+                   "except OSError as e:\n    cells = []\n    print(e)\n"
+                   "for c in cells:\n    src = ''.join(c['source'])\n"
+                   "    if 'class MyBlockAllocator' in src:\n        exec(src)",
+                   {A02: NOT_IMPL, S02: NOT_IMPL})
+
     # -- delegation: minipaged's own class under the learner's name (the checks must refuse it) -------
     def delegate(name: str, code: str) -> None:
         nb = _nb(EXERCISES, "02_block_allocator")
