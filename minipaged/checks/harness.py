@@ -24,6 +24,7 @@ import hashlib
 import importlib
 import json
 import json.encoder
+import linecache
 import os
 import pkgutil
 import sys
@@ -44,7 +45,7 @@ _int_repr = int.__repr__
 FAIL_NAMES = {"CheckFailed", "NotImplementedYet", "CheckTimeout", "AssertionError"}
 WATCHED = ("builtins", "sys", "os", "os.path", "io", "math", "random", "time", "signal", "traceback", "inspect",
            "functools", "itertools", "operator", "collections", "copy", "types", "gc", "threading", "json", "hmac",
-           "re", "contextlib", "dataclasses", "numpy", "torch", "torch.nn.functional", "torch.testing")
+           "re", "contextlib", "dataclasses", "linecache", "numpy", "torch", "torch.nn.functional", "torch.testing")
 MAX_MESSAGE = 1500
 
 
@@ -287,14 +288,19 @@ def main() -> int:
     emit(event="ready")
 
     check_bound: dict[str, object] = {}
+    sources: dict[str, tuple] = {}
     # parsed now: ast (pure Python) would run on the learner's builtins later
     binds = {idx: _bound_names(c["source"]) for idx, c in enumerate(job["cells"]) if c["kind"] == "check"}
     for idx, cell in enumerate(job["cells"]):
         emit(event="start", cell=idx)
         src = _python_only(cell["source"])
+        filename = f"<{cell['label']}>"
+        # as IPython does: inspect.getsource (is_stub, the checks' source reading) and tracebacks need the text
+        sources[filename] = (len(src), None, src.splitlines(True), filename)
+        linecache.cache.update(sources)  # also puts back any entry a learner's cell rewrote
         if cell["kind"] != "check":
             try:
-                _exec(_compile(src, f"<{cell['label']}>", "exec"), ns)
+                _exec(_compile(src, filename, "exec"), ns)
             except _BaseException as e:  # noqa: BLE001 - a learner's crash, SystemExit included, is a row
                 result, msg = _describe(e)
                 emit(event="cell", cell=idx, label=cell["label"], result="ERROR",
@@ -313,7 +319,7 @@ def main() -> int:
             result, msg = "pass", ""
             if not problems:
                 try:
-                    _exec(_compile(src, f"<{cell['label']}>", "exec"), ns)
+                    _exec(_compile(src, filename, "exec"), ns)
                 except _BaseException as e:  # noqa: BLE001 - every way a check can end is a verdict
                     result, msg = _describe(e)
                 problems = tampered()
