@@ -177,7 +177,8 @@ def build(root: Path, package: Path) -> dict:
                    "    except OSError:\n        pass\nos._exit(0)",
                    {A02: ("FAIL", "void"), S02: ("FAIL", "void"), "(result channel)": ("FAIL", "not from the grader")})
     verdict_attack("d_os_exit", "import os\nos._exit(0)",
-                   {A02: ("ERROR", "os._exit"), S02: ("ERROR", "os._exit")})
+                   {A02: ("ERROR", "os._exit"), S02: ("ERROR", "os._exit"),
+                    "(review)": ("note", "os._exit")})  # and the instructor is told to read that cell
     verdict_attack("d_sys_exit_in_method",
                    "import os\nMyBlockAllocator.__init__ = lambda self, *a, **k: os._exit(0)",
                    {A02: ("ERROR", "the run ended before this check finished"), S02: ("ERROR", "ended")})
