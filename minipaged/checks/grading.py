@@ -327,6 +327,8 @@ class Store:
                 raise GradingError(f"{p} is a symbolic link; the grader never writes through one. Give a plain file path.")
             if p.exists() and not p.is_file():
                 raise GradingError(f"{p} exists and is not a file. Give a file path.")
+            if not p.parent.is_dir():
+                raise GradingError(f"the folder of {p} does not exist: create it, or give another path")
         if resume:
             if jsonl_path is None or not jsonl_path.exists():
                 raise GradingError(f"--resume continues from {jsonl_path}, which does not exist: run without --resume first")
