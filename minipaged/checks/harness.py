@@ -84,9 +84,10 @@ class Snapshot:
             if ours or name in WATCHED:
                 self.modules[name] = (mod, dict(vars(mod)))
                 for attr, obj in vars(mod).items():
-                    owner = getattr(obj, "__module__", None) or ""
+                    owner = getattr(obj, "__module__", None)
+                    owner = owner if isinstance(owner, str) else ""
                     mine = ours and (owner.startswith("minipaged") or owner == __name__)
-                    if isinstance(obj, type) and (mine or obj.__module__ == "torch"):
+                    if isinstance(obj, type) and (mine or owner == "torch"):
                         self.classes.append((f"{name}.{attr}", obj, dict(vars(obj))))
                     elif isinstance(obj, types.FunctionType) and mine:
                         self.functions.append((f"{name}.{attr}", obj, self._fn(obj)))
@@ -96,7 +97,6 @@ class Snapshot:
         self.meta_path = list(sys.meta_path)
         self.path_hooks = list(sys.path_hooks)
         self.threads = {t.ident for t in threading.enumerate()}
-        self.stdout, self.stderr = sys.stdout, sys.stderr
         self.gc_callbacks = list(gc.callbacks)
 
     @staticmethod
@@ -128,7 +128,7 @@ class Snapshot:
             if added:
                 out.append(f"{name} gained {', '.join(sorted(added)[:5])}")
         for name, f, state in self.functions:
-            if self._fn(f) != state:
+            if any(a is not b for a, b in zip(self._fn(f), state)):  # identity only: == could run a learner's __eq__
                 out.append(f"the code of {name} was changed")
         # a library imported later may append a finder (six does); one put in front would intercept minipaged's imports
         if sys.meta_path[: len(self.meta_path)] != self.meta_path or sys.path_hooks[: len(self.path_hooks)] != self.path_hooks:
