@@ -252,7 +252,7 @@ def grade_submission(sub: Submission, settings: Settings, siblings: list[Submiss
     # torch._dynamo, imported while the model loads, rebinds torch.manual_seed: import it before the snapshot
     preload = ["torch._dynamo", "minipaged.engine"] if sub.workbook == "07_assemble" else []
     job = json.dumps({"result_fd": -1, "key": key.hex(), "workdir": inner, "guard": not settings.use_bwrap,
-                      "preload": preload,
+                      "preload": preload, "copy_from": sandbox.SUBMITTED_DIR if settings.use_bwrap else "",
                       "cells": [asdict(c) for c in plan.cells]}).encode()
     try:
         out = sandbox.run(job, work, use_bwrap=settings.use_bwrap, limits=settings.limits,

@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SANDBOX_DIR = "/tmp/submission"  # the private copy's path inside bwrap (a private /tmp)
+SANDBOX_DIR = "/tmp/submission"  # the private copy's path inside bwrap (a private /tmp, in memory)
+SUBMITTED_DIR = "/tmp/.submitted"  # the files handed in, read-only; the harness copies them to SANDBOX_DIR
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent.parent)
 
 
@@ -32,11 +33,12 @@ class Limits:
     cpu_s: int = 0  # RLIMIT_CPU; 0: twice wall_s
     file_bytes: int = 64 * 2**20  # RLIMIT_FSIZE: any one file the run writes
     procs: int = 256  # RLIMIT_NPROC, on top of what the user runs already (not enforced for root)
+    disk_bytes: int = 512 * 2**20  # with bwrap: all the run writes (its /tmp, its copy) is in a tmpfs this size
     output_bytes: int = 256 * 2**10  # of stdout and stderr kept; the rest is read and dropped
     result_bytes: int = 4 * 2**20  # of the result channel kept
 
     def __post_init__(self) -> None:
-        for name in ("wall_s", "memory_bytes", "file_bytes", "procs", "output_bytes", "result_bytes"):
+        for name in ("wall_s", "memory_bytes", "file_bytes", "procs", "disk_bytes", "output_bytes", "result_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)!r}")
 
@@ -105,7 +107,7 @@ def command(workdir: Path, *, use_bwrap: bool, hide: list[str], env: dict, limit
     if use_bwrap:
         exe = bwrap_path()
         assert exe is not None
-        b = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        b = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--size", str(limits.disk_bytes), "--tmpfs", "/tmp"]
         for h in hide:  # the class folder and the grader's output: not even readable
             if os.path.isdir(h) and not h.startswith("/tmp/"):
                 b += ["--tmpfs", h]
@@ -114,7 +116,8 @@ def command(workdir: Path, *, use_bwrap: bool, hide: list[str], env: dict, limit
                 b += ["--ro-bind", p, p]
         for dev in sorted(Path("/dev").glob("nvidia*")):  # a GPU, for workbook 05 on a GPU machine
             b += ["--dev-bind", str(dev), str(dev)]
-        b += ["--bind", str(workdir), SANDBOX_DIR, "--chdir", SANDBOX_DIR,
+        # the host's copy is read-only inside: what the run writes stays in its tmpfs, never on the host's disk
+        b += ["--ro-bind", str(workdir), SUBMITTED_DIR, "--dir", SANDBOX_DIR, "--chdir", SANDBOX_DIR,
               "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
         for k, v in env.items():
             b += ["--setenv", k, v]
@@ -229,4 +232,5 @@ def resource_summary(limits: Limits) -> str:
             f"{limits.file_bytes // 2**20} MiB per file, {limits.wall_s:.0f} s wall clock")
 
 
-__all__ = ["Limits", "Outcome", "SANDBOX_DIR", "bwrap_path", "run", "resource_summary"]
+
+__all__ = ["Limits", "Outcome", "SANDBOX_DIR", "SUBMITTED_DIR", "bwrap_path", "run", "resource_summary"]
