@@ -36,7 +36,7 @@ def test_contiguous_table_reserves_up_front():
     t = ContiguousTable(alloc, 17)
     assert len(t.blocks) == 5 and alloc.num_free_blocks == 5 and t.num_tokens == 0
     t.append_tokens(3)
-    assert t.num_reserved_slots == 20 and t.slot(2) == t.blocks[0] * 4 + 2
+    assert len(t.blocks) * t.block_size == 20 and int(t.slot_mapping(2, 3)) == t.blocks[0] * 4 + 2
     with pytest.raises(ValueError, match="cannot hold"):
         t.append_tokens(18)
     t.free()
