@@ -11,6 +11,7 @@ import torch
 
 from minipaged.baselines import ContiguousTable, run_naive, run_static
 from minipaged.block_allocator import BlockAllocator
+from minipaged.parts import check_pool
 from minipaged.bench.serving import format_table, gemm_gflops, run_bench, save_plots, to_json
 from minipaged.bench.workloads import synthetic
 
@@ -40,7 +41,7 @@ def test_contiguous_table_reserves_up_front():
     with pytest.raises(ValueError, match="cannot hold"):
         t.append_tokens(18)
     t.free()
-    alloc.check_invariants()
+    check_pool(alloc)
     assert alloc.num_free_blocks == 10
 
 
