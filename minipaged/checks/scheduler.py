@@ -28,8 +28,10 @@ from ._core import (
     run_with_time_limit,
     table,
 )
+from ._delegation import guarded, refuse_package_class
 
 NAME = "06 scheduler"
+MUST_WRITE = ("add_request", "schedule")  # update, finish, abort are inherited: the contract, not the policy
 EOS = 2
 
 
@@ -53,6 +55,21 @@ class Config:
                 f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.budget}{mml})")
 
 
+def make_scheduler(cls: type, cfg: Config):
+    """``cls`` built the way the engine builds its scheduler, on a fresh pool of ``cfg``'s size."""
+    import inspect
+
+    pool = BlockAllocator(cfg.num_blocks, cfg.block_size)
+    if "config" in inspect.signature(cls.__init__).parameters:  # scheduler_cls(allocator, block_table_cls, config)
+        from ..config import EngineConfig
+
+        config = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs,
+                              max_num_batched_tokens=cfg.budget, max_model_len=cfg.max_model_len)
+        return cls(pool, BlockTable, config)
+    return cls(pool, BlockTable, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.budget,
+               max_model_len=cfg.max_model_len)
+
+
 def _sid(seq) -> str:
     return f"r{seq.seq_id}"
 
@@ -61,12 +78,9 @@ class _Sim:
     def __init__(self, cls: type, cfg: Config, label: str, seed: int, stats: dict, ignore_eos: bool = False) -> None:
         self.cls, self.cfg, self.label, self.seed, self.stats = cls, cfg, label, seed, stats
         self.ignore_eos = ignore_eos  # the fixed stories: every request generates exactly max_tokens
-        self.ref = Scheduler(BlockAllocator(cfg.num_blocks, cfg.block_size), BlockTable, max_num_seqs=cfg.max_num_seqs,
-                             max_num_batched_tokens=cfg.budget, max_model_len=cfg.max_model_len)
+        self.ref = make_scheduler(Scheduler, cfg)
         self.stats["current"] = f"{cfg.describe(cls.__name__)}  ({label})"
-        self.mine = learner_call(cls, BlockAllocator(cfg.num_blocks, cfg.block_size), BlockTable,
-                                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.budget,
-                                 max_model_len=cfg.max_model_len, what=cfg.describe(cls.__name__))
+        self.mine = learner_call(make_scheduler, cls, cfg, what=cfg.describe(cls.__name__))
         self.ref_seqs: dict[int, Sequence] = {}
         self.my_seqs: dict[int, Sequence] = {}
         self.requests: list[str] = []
@@ -352,6 +366,10 @@ def _fixed(part: str) -> list[tuple[str, Config, list[tuple[int, int, int, int]]
         runs += [
             ("two requests outgrow a pool of 4 blocks", Config(4, 2, 4, 16), [(0, 0, 3, 6), (0, 1, 3, 6)]),
             ("three requests, the newest is preempted first", Config(6, 2, 4, 16), [(0, 0, 2, 7), (0, 1, 2, 7), (0, 2, 2, 7)]),
+            # r1 is preempted with blocks to spare and a token budget left: admitting anyone in that step is the
+            # mistake; r1 goes back to the front, recomputed from 0, ahead of r2, which arrived before it was preempted.
+            ("a step that preempts admits nobody; the preempted go back to the front, from 0", Config(5, 2, 4, 3),
+             [(0, 0, 2, 8), (0, 1, 3, 8), (1, 2, 2, 4)]),
         ]
     if part == "rejection":
         runs += [
@@ -434,13 +452,15 @@ def replay(cls: type, label: str, steps: int, seed: int | None = None):
 
 
 def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: str) -> None:
-    for name in ("add_request", "schedule", "_preempt"):
-        if getattr(cls, name, None) is getattr(Scheduler, name) and cls is not Scheduler:
-            raise CheckFailed(f"{NAME}: {cls.__name__}.{name} is minipaged's own (inherited from Scheduler). "
-                              f"Write your own {name} in the class cell above, run it, then run this check again.")
+    refuse_package_class(cls, MUST_WRITE, NAME, "scheduler")
     stats = {"ops": 0, "runs": 0, "current": f"creating {cls.__name__}"}
 
     def body():
+        # Your add_request and schedule may not call minipaged's (super().schedule(), Scheduler._preempt, ...).
+        with guarded("06", NAME):
+            _body()
+
+    def _body():
         for label, cfg, reqs in _fixed(part):
             _play(cls, label, cfg, reqs, seed, stats, ignore_eos=True)
         for k in range(runs):

@@ -9,6 +9,9 @@ class BaseScheduler(Scheduler):
     REJECT = True
     VICTIM_NEWEST = True
     CHECK_MAX_SEQS = True
+    ADMIT_AFTER_PREEMPT = False
+    PREEMPT_TO_FRONT = True
+    RESET_COMPUTED = True
 
     def add_request(self, seq):
         bs, pool = self.allocator.block_size, self.allocator.num_blocks
@@ -50,7 +53,7 @@ class BaseScheduler(Scheduler):
             out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
             i += 1
-        while not out.preempted and self.waiting and budget > 0 and (
+        while (not out.preempted or self.ADMIT_AFTER_PREEMPT) and self.waiting and budget > 0 and (
                 len(self.running) < self.max_num_seqs or not self.CHECK_MAX_SEQS):
             seq = self.waiting[0]
             n = seq.num_tokens - seq.num_computed_tokens
@@ -73,8 +76,12 @@ class BaseScheduler(Scheduler):
         if self.FREE_ON_PREEMPT:
             seq.block_table.free()
         seq.block_table = None
-        seq.num_computed_tokens = 0
+        if self.RESET_COMPUTED:
+            seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.PREEMPT_TO_FRONT:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
         self.num_preemptions += 1
