@@ -361,6 +361,9 @@ def _fixed(part: str) -> list[tuple[str, Config, list[tuple[int, int, int, int]]
              [(0, 0, 6, 4), (0, 1, 6, 4), (0, 2, 6, 4)]),
             ("max_num_seqs=2 with 3 requests", Config(32, 4, 2, 64), [(0, 0, 3, 5), (0, 1, 4, 5), (0, 2, 2, 5)]),
             ("arrivals while others decode", Config(32, 4, 3, 12), [(0, 0, 5, 6), (2, 1, 9, 3), (3, 2, 20, 2), (3, 3, 2, 4)]),
+            # r1 (4 blocks) does not fit the 2 free blocks, r2 (1 block) would: first come, first served admits neither
+            ("the head of the queue does not fit: nobody behind it skips ahead", Config(6, 4, 4, 64),
+             [(0, 0, 12, 6), (1, 1, 16, 2), (1, 2, 3, 2)]),
         ]
     if part == "preemption":
         runs += [

@@ -12,6 +12,7 @@ class BaseScheduler(Scheduler):
     ADMIT_AFTER_PREEMPT = False
     PREEMPT_TO_FRONT = True
     RESET_COMPUTED = True
+    SKIP_HEAD = False  # admit later arrivals when the head of the queue does not fit
 
     def add_request(self, seq):
         bs, pool = self.allocator.block_size, self.allocator.num_blocks
@@ -61,6 +62,15 @@ class BaseScheduler(Scheduler):
                 n = min(n, budget)
             table = self.block_table_cls(self.allocator)
             if table.blocks_needed(n) > self.allocator.num_free_blocks:
+                if self.SKIP_HEAD and len(self.waiting) > 1 and not getattr(self, "_skipping", False):
+                    head = self.waiting.popleft()
+                    self._skipping = True
+                    try:
+                        rest = self.schedule_waiting(out, budget)
+                    finally:
+                        self._skipping = False
+                    self.waiting.appendleft(head)
+                    budget = rest
                 break
             table.append_tokens(n)
             self.waiting.popleft()
@@ -70,6 +80,22 @@ class BaseScheduler(Scheduler):
             budget -= n
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def schedule_waiting(self, out, budget):
+        """Admit from the waiting queue as schedule() does; returns the budget left (for SKIP_HEAD)."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            table = self.block_table_cls(self.allocator)
+            if table.blocks_needed(n) > self.allocator.num_free_blocks:
+                break
+            table.append_tokens(n)
+            self.waiting.popleft()
+            seq.block_table, seq.status = table, SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            budget -= n
+        return budget
 
     def _preempt(self, seq):
         self.running.remove(seq)
