@@ -332,6 +332,8 @@ def test_case_replay_matches() -> None:
 def test_engine_mismatch_names_the_part_to_blame(tmp_path, monkeypatch, one_thread) -> None:
     """Parts that pass their own checks but differ inside the engine: the check swaps in
     minipaged's parts one at a time and names the one that makes the answers match."""
+    if hasattr(BlockTable, "as_tensor"):
+        pytest.skip("needs the engine that serves Protocol-only parts (issue 10's contracts, not merged yet)")
     from minipaged.checks import assemble
     from minipaged.engine import LLM
 

@@ -104,7 +104,7 @@ def make_case(name: str, focus: str, seqs: list, num_heads: int = 2, num_kv_head
 
 # -- the reference with one mistake switched on (for hints only) ---------------------------------
 def variant_attention(case: Case, causal: str = "suffix", gqa: str = "div", blocks: str = "table",
-                      partial: str = "mask", scaled: bool = True) -> torch.Tensor:
+                      partial: str = "mask", scaled: bool = True, masked_to: float = float("-inf")) -> torch.Tensor:
     q, kc, vc, bt, ctx, qsl, scale = case.args()
     nb, bs, hkv, d = kc.shape
     h = q.shape[1]
@@ -126,7 +126,7 @@ def variant_attention(case: Case, causal: str = "suffix", gqa: str = "div", bloc
         q_pos = torch.arange(first, first + ql).unsqueeze(1)
         k_pos = torch.arange(n_keys).unsqueeze(0)
         if causal != "none" and not (partial == "whole" and ql == 1):
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            scores = scores.masked_fill(k_pos > q_pos, masked_to)
         out[q0:q0 + ql] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
     return out
 
@@ -148,6 +148,9 @@ MISTAKES = [
      "your output matches attending to EVERY slot of the last block, also the ones past context_len. The last block is only "
      "partly filled; the slots after the sequence's end hold garbage (another sequence's or stale data). Keep only the first "
      "context_len gathered tokens, or mask keys at positions >= context_len (a decode step needs that mask too)."),
+    (dict(masked_to=0.0),
+     "your output matches masking the future keys with a score of 0 instead of -inf: 0 is a real score (scores have "
+     "both signs), so exp(0) = 1 still gives those keys weight. Fill them with float('-inf'), whose exp() is exactly 0."),
     (dict(scaled=False),
      "your output matches attention without the scale: multiply q·k by `scale` (1/sqrt(head_dim)) before the softmax."),
 ]
@@ -283,9 +286,9 @@ def attention_cases(decode_only: bool = False) -> list[Case]:
     c.append(_signed_case("scores of one sign only: every q.k is negative and large (-100 and below)",
                           "the row's maximum is negative: subtract it (start a running maximum at -inf, never 0).",
                           [(9, 1), (20, 1)] if decode_only else [(9, 3), (20, 1)], sign=-1.0, seed=11))
-    c.append(_signed_case("scores of both signs, large (-150 .. 150)",
-                          "subtract the row maximum before exp(); masked keys are -inf, never 0 (0 is a real score here).",
-                          [(13, 1), (6, 1)] if decode_only else [(13, 5), (6, 6)], sign=0.0, seed=12))
+    c.append(_signed_case("scores of both signs (-4 .. 4), so that 0 is a score like any other",
+                          "masked keys are -inf, never 0: here 0 is a real score, larger than many.",
+                          [(13, 1), (6, 1)] if decode_only else [(13, 5), (6, 6)], sign=0.0, seed=12, size=0.2))
     seqs16 = [(15, 1), (16, 1), (17, 1), (32, 1), (33, 1), (5, 1)]
     c.append(make_case("block size 16: contexts 15, 16, 17, 32, 33 and 5 (on, before and past each block boundary)",
                        "a context of exactly n * block_size tokens uses n whole blocks; one more token opens block n + 1.",
@@ -309,15 +312,16 @@ def attention_cases(decode_only: bool = False) -> list[Case]:
     return c
 
 
-def _signed_case(name: str, focus: str, seqs: list, sign: float, seed: int) -> Case:
-    """Scores of one sign (``sign`` = -1 or 1: q.k all that sign, |q.k| >= ~100) or both (``sign`` = 0)."""
+def _signed_case(name: str, focus: str, seqs: list, sign: float, seed: int, size: float = 10.0) -> Case:
+    """Scores of one sign (``sign`` = -1 or 1: q.k all that sign) or both (``sign`` = 0), of magnitude
+    about 10 * ``size`` .. 15 * ``size`` after the scale (``size`` 10: 100 .. 150)."""
     case = make_case(name, focus, seqs, num_heads=2, num_kv_heads=1, head_dim=16, seed=seed)
     g = torch.Generator().manual_seed(seed + 1000)
     d = case.q.shape[-1]
     direction = torch.ones(d) / math.sqrt(d)
     q = direction.expand_as(case.q) * 40.0 + 0.3 * torch.randn(case.q.shape, generator=g)
     k = case.k_cache.clone()
-    mag = 10.0 + 5.0 * torch.rand(k.shape[:-1], generator=g)
+    mag = size * (1.0 + 0.5 * torch.rand(k.shape[:-1], generator=g))
     signs = torch.full(k.shape[:-1], sign) if sign else torch.where(torch.rand(k.shape[:-1], generator=g) < 0.5, -1.0, 1.0)
     k = direction * (signs * mag).unsqueeze(-1) + 0.3 * torch.randn(k.shape, generator=g)
     case.q, case.k_cache = q, k  # scaled scores = q.k / 4: magnitudes of about 100 .. 150, the given signs
