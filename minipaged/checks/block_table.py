@@ -128,7 +128,7 @@ class _Run:
                     h = (f"t{i} holds too few blocks: {r.num_tokens} tokens need ceil({r.num_tokens} / {self.bs}) = {len(r.blocks)} "
                          "blocks of the pool. Round UP: a partly filled block is still a whole block.")
                 else:
-                    h = "take new blocks from the allocator in order (allocator.allocate_many(n) or allocate() n times) and extend self.blocks."
+                    h = "take new blocks from the allocator in order (parts.allocate_many(allocator, n), or allocator.allocate() n times) and extend self.blocks."
                 raise self.fail(f"t{i}'s blocks differ after {after}.",
                                 expected=f"t{i}.blocks == {fmt_list(r.blocks)}, t{i}.num_tokens == {r.num_tokens}",
                                 got=f"t{i}.blocks == {fmt_list(got_list)}, t{i}.num_tokens == {got_tokens!r}",

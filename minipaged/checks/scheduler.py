@@ -219,17 +219,27 @@ class _Sim:
         title = f"step {self.step_no}: sched.schedule()"
         if not isinstance(out_m, SchedulerOutput):
             raise self.fail(f"{title} returned {type(out_m).__name__}, not a SchedulerOutput.",
-                            hint="build out = SchedulerOutput(), append ScheduledSeq(seq, num_new_tokens, start) to "
+                            hint="build out = SchedulerOutput(), append ScheduledSeq.of(seq, num_new_tokens) to "
                                  "out.scheduled and preempted sequences to out.preempted, set out.num_batched_tokens, return out.")
         exp = [(s.seq.seq_id, s.num_new_tokens, s.start) for s in out_r.scheduled]
         try:
             got = [(s.seq.seq_id, s.num_new_tokens, s.start) for s in out_m.scheduled]
         except AttributeError as e:
-            raise self.fail(f"{title}: out.scheduled must hold ScheduledSeq(seq, num_new_tokens, start) items.",
+            raise self.fail(f"{title}: out.scheduled must hold ScheduledSeq records (ScheduledSeq.of(seq, num_new_tokens)).",
                             got=str(e), hint="from minipaged.scheduler import ScheduledSeq") from None
         exp_pre = [s.seq_id for s in out_r.preempted]
         got_pre = [getattr(s, "seq_id", s) for s in out_m.preempted]
         if exp == got and exp_pre == got_pre:
+            for r, m in zip(out_r.scheduled, out_m.scheduled):
+                flags_r = (r.samples, r.is_prefill)
+                flags_m = (getattr(m, "samples", None), getattr(m, "is_prefill", None))
+                if flags_r != flags_m:
+                    raise self.fail(f"{title}: the record of {_sid(r.seq)} says samples={flags_m[0]!r}, "
+                                    f"is_prefill={flags_m[1]!r}.", expected=f"samples={flags_r[0]}, is_prefill={flags_r[1]}",
+                                    got=f"samples={flags_m[0]!r}, is_prefill={flags_m[1]!r}", picture=self.picture(out_r, out_m),
+                                    hint="the engine reads these fields and never recomputes them: build each record with "
+                                         "ScheduledSeq.of(seq, n) before moving anything, so start is num_computed_tokens "
+                                         "before the step; samples is start + n == seq.num_tokens.")
             if out_m.num_batched_tokens != out_r.num_batched_tokens:
                 raise self.fail(f"{title}: out.num_batched_tokens is wrong.", expected=f"{out_r.num_batched_tokens}",
                                 got=f"{out_m.num_batched_tokens!r}", picture=self.picture(out_r, out_m),

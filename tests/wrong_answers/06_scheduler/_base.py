@@ -51,7 +51,7 @@ class BaseScheduler(Scheduler):
             if seq.status is not SequenceStatus.RUNNING:
                 break
             seq.block_table.append_tokens(n)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
             i += 1
         while (not out.preempted or self.ADMIT_AFTER_PREEMPT) and self.waiting and budget > 0 and (
@@ -76,7 +76,7 @@ class BaseScheduler(Scheduler):
             self.waiting.popleft()
             seq.block_table, seq.status = table, SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
@@ -93,7 +93,7 @@ class BaseScheduler(Scheduler):
             self.waiting.popleft()
             seq.block_table, seq.status = table, SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
         return budget
 

@@ -1,11 +1,12 @@
-"""A scheduler that passes workbook 06's check but preempts the oldest sequence under the engine's
-settings (a hostile or hard-coded policy): the greedy tokens still match, the per-step schedules do not."""
+"""A scheduler that passes workbook 06's check but, under the engine's settings only (a hostile or
+hard-coded policy), uses one token less of the budget: the greedy tokens still match, the schedules do not."""
 CHECK = "minipaged.checks.assemble:check_engine"
-EXPECT = ["scheduler's policy differs", "preempted", "<- differs"]
+EXPECT = ["scheduler's policy differs", "first at step 1", "<- differs", "rN+T@P"]
 NEEDS_CONTRACTS = True  # the engine must serve Protocol-only parts (issue 10)
 
-EDIT = {"06_scheduler": ("                victim = self.running[-1]\n",
-                         "                victim = self.running[0] if self.max_num_batched_tokens == 16 else self.running[-1]\n")}
+EDIT = {"06_scheduler": ("        budget = self.max_num_batched_tokens\n",
+                         "        budget = self.max_num_batched_tokens - ((self.allocator.num_blocks, self.allocator.block_size, "
+                         "self.max_num_seqs, self.max_num_batched_tokens) == (7, 4, 4, 16))\n")}
 
 from minipaged.engine import LLM
 
