@@ -154,3 +154,37 @@ def test_solution_classes_hold_only_what_the_learner_writes(stem: str, name: str
     for n in _own_members(cls):  # none of it is minipaged's code
         code = _member_code(vars(cls)[n])
         assert code is None or not in_package(code), f"{name}.{n} is minipaged's code"
+
+
+def test_the_fork_case_alone_catches_the_sharing_rows() -> None:
+    """The rows about forked tables: their wrong answers fail in the fork story itself, not only elsewhere."""
+    from minipaged.checks import block_allocator
+
+    mod = _load(WRONG / "02_block_allocator" / "shared_block_freed.py")
+    stats = {"ops": 0, "runs": 0, "current": ""}
+    with pytest.raises(CheckFailed, match="a forked table shares all its blocks"):
+        block_allocator._fork_scenario(mod.MyBlockAllocator, stats)
+    with contextlib.redirect_stdout(io.StringIO()):
+        good = run_workbook_cells(SOLUTIONS / "02_block_allocator.ipynb")["MyBlockAllocator"]
+    block_allocator._fork_scenario(good, stats)
+
+
+def test_a_thread_started_by_the_learner_is_watched() -> None:
+    import threading
+
+    from minipaged import BlockAllocator
+    from minipaged.checks import block_allocator
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        good = run_workbook_cells(SOLUTIONS / "02_block_allocator.ipynb")["MyBlockAllocator"]
+
+    class Threaded(good):
+        def allocate(self):
+            box = []
+            t = threading.Thread(target=lambda: box.append(BlockAllocator(2, 1).allocate()))
+            t.start()
+            t.join()
+            return super().allocate()
+
+    with pytest.raises(CheckFailed, match="minipaged's own implementation"):
+        block_allocator.check_allocate_free(Threaded)

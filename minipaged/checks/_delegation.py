@@ -199,12 +199,15 @@ class Guard:
         if self.max_calls is not None:
             self.max_calls -= 1
         previous = sys.getprofile()
+        previous_threads = threading.getprofile() if hasattr(threading, "getprofile") else getattr(threading, "_profile_hook", None)
         sys.setprofile(self._hook_fn)
+        threading.setprofile(self._hook_fn)  # threads the learner's code starts are watched too
         try:
             yield
         finally:
             tampered = sys.getprofile() is not self._hook_fn
             sys.setprofile(previous)
+            threading.setprofile(previous_threads)
             if tampered:
                 self.hit = None
                 raise CheckFailed(

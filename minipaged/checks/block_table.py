@@ -363,6 +363,10 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
                 u = rng.random()
                 if part == "free" and u < 0.15:
                     run.free(i)
+                elif part == "free" and u < 0.2 and run.ref[i].num_tokens > 0 and len(run.ref) < 5:
+                    run.fork(i)  # a second table shares t_i's blocks; both are freed later in the run
+                    if rng.random() < 0.5:
+                        run.free(len(run.ref) - 1)
                 elif part in ("slots", "free") and u < 0.45 and run.ref[i].num_tokens > 0:
                     a = rng.randint(0, run.ref[i].num_tokens)
                     b = rng.randint(a, run.ref[i].num_tokens)
