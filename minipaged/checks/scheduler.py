@@ -55,11 +55,11 @@ class Config:
                 f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.budget}{mml})")
 
 
-def make_scheduler(cls: type, cfg: Config):
-    """``cls`` built the way the engine builds its scheduler, on a fresh pool of ``cfg``'s size."""
+def make_scheduler(cls: type, cfg: Config, pool=None):
+    """``cls`` built the way the engine builds its scheduler, on ``pool`` (a fresh one of ``cfg``'s size)."""
     import inspect
 
-    pool = BlockAllocator(cfg.num_blocks, cfg.block_size)
+    pool = pool if pool is not None else BlockAllocator(cfg.num_blocks, cfg.block_size)
     if "config" in inspect.signature(cls.__init__).parameters:  # scheduler_cls(allocator, block_table_cls, config)
         from ..config import EngineConfig
 
@@ -80,7 +80,9 @@ class _Sim:
         self.ignore_eos = ignore_eos  # the fixed stories: every request generates exactly max_tokens
         self.ref = make_scheduler(Scheduler, cfg)
         self.stats["current"] = f"{cfg.describe(cls.__name__)}  ({label})"
-        self.mine = learner_call(make_scheduler, cls, cfg, what=cfg.describe(cls.__name__))
+        # The check keeps its own handle on your scheduler's pool: it reads only SchedulerProtocol's members of yours.
+        self.my_pool = BlockAllocator(cfg.num_blocks, cfg.block_size)
+        self.mine = learner_call(make_scheduler, cls, cfg, self.my_pool, what=cfg.describe(cls.__name__))
         self.ref_seqs: dict[int, Sequence] = {}
         self.my_seqs: dict[int, Sequence] = {}
         self.requests: list[str] = []
@@ -139,7 +141,7 @@ class _Sim:
             ["waiting", ids(self.ref.waiting), ids(self.mine.waiting)],
             ["computed/tokens", seqs(self.ref_seqs), seqs(self.my_seqs)],
             ["free blocks", f"{self.ref.allocator.num_free_blocks} of {self.cfg.num_blocks}",
-             f"{self.mine.allocator.num_free_blocks} of {self.cfg.num_blocks}"],
+             f"{self.my_pool.num_free_blocks} of {self.cfg.num_blocks}"],
         ]
         w = [max(len(r[i]) for r in rows) for i in range(3)]
         body = "\n".join("    " + r[0].ljust(w[0]) + "   " + r[1].ljust(w[1]) + "   " + r[2] for r in rows)
@@ -251,7 +253,7 @@ class _Sim:
 
     def leaked(self) -> int:
         """Blocks that are neither free nor held by one of your running sequences."""
-        a = self.mine.allocator
+        a = self.my_pool
         held = set()
         for s in self.mine.running:
             if getattr(s, "block_table", None) is not None:
@@ -339,7 +341,7 @@ class _Sim:
                                 "waiting queue (appendleft).")
                     if not hint and what == "blocks" and a is None and b is not None:
                         hint = (f"r{rid} holds blocks {b} but should hold none: set seq.block_table = None after freeing it.")
-        rf, mf = self.ref.allocator.num_free_blocks, self.mine.allocator.num_free_blocks
+        rf, mf = self.ref.allocator.num_free_blocks, self.my_pool.num_free_blocks
         if rf != mf:
             problems.append(("free blocks", str(rf), str(mf)))
             if not hint and mf < rf and self.leaked() > 0:
