@@ -188,3 +188,21 @@ def test_a_thread_started_by_the_learner_is_watched() -> None:
 
     with pytest.raises(CheckFailed, match="minipaged's own implementation"):
         block_allocator.check_allocate_free(Threaded)
+
+
+def test_the_call_watch_imports_no_kernel_module() -> None:
+    """Watching for minipaged's Triton kernels must not import them: that would define the kernels
+    before TRITON_INTERPRET is set, and a later lesson on the CPU could not run them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from minipaged.checks import paged_attention as pa\n"
+            "from minipaged.checks._workbooks import run_workbook_cells\n"
+            f"ns = run_workbook_cells({str(SOLUTIONS / '04_paged_attention_torch.ipynb')!r})\n"
+            "pa.check_paged_attention(ns['paged_attention'])\n"
+            "assert 'minipaged.attention.triton_paged' not in sys.modules, 'imported'\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -73,31 +73,42 @@ def _class_codes(cls: type, label: str, out: dict, only: str | None = None) -> N
 
 
 @functools.lru_cache(maxsize=None)
-def watched_codes(workbook: str) -> dict:
-    """code object -> the dotted name a learner would recognise, for workbook ``workbook``."""
-    out: dict = {}
+def watched(workbook: str) -> tuple[dict, dict]:
+    """(code object -> name, file -> module name) of what workbook ``workbook`` must not call.
+
+    A whole module (attribute None) is watched by its file, so it is never imported here:
+    importing triton_paged would define its kernels, before TRITON_INTERPRET may be set.
+    """
+    import importlib.util
+
+    codes: dict = {}
+    files: dict = {}
     for module_name, attr in WATCH[workbook]:
+        if attr is None:
+            try:
+                spec = importlib.util.find_spec(module_name)
+            except (ImportError, ValueError):
+                continue
+            if spec is not None and spec.origin:
+                files[os.path.abspath(spec.origin)] = module_name
+            continue
         try:
             module = importlib.import_module(module_name)
-        except Exception:  # e.g. triton_paged where Triton is not installed: nothing of it can run
-            continue
-        short = module_name
-        if attr is None:
-            for name, member in vars(module).items():
-                if inspect.isclass(member) and member.__module__ == module_name:
-                    _class_codes(member, f"{short}.{name}", out)
-                elif getattr(member, "__module__", None) == module_name or hasattr(member, "fn"):
-                    _codes_of(member, f"{short}.{name}", out)
+        except Exception:  # pragma: no cover - every module named with an attribute is core
             continue
         owner, _, method = attr.partition(".")
         member = getattr(module, owner, None)
         if member is None:
             continue
         if inspect.isclass(member):
-            _class_codes(member, f"minipaged.{owner}", out, only=method or None)
+            _class_codes(member, f"minipaged.{owner}", codes, only=method or None)
         else:
-            _codes_of(member, f"{short}.{owner}", out)
-    return out
+            _codes_of(member, f"{module_name}.{owner}", codes)
+    return codes, files
+
+
+def watched_codes(workbook: str) -> dict:
+    return watched(workbook)[0]
 
 
 # -- the static refusal ----------------------------------------------------------------------------
@@ -164,7 +175,8 @@ class Guard:
     """Watches the learner's calls for calls into minipaged's implementations of workbook ``workbook``."""
 
     def __init__(self, workbook: str, workbook_name: str, max_calls: int | None = None) -> None:
-        self.codes = watched_codes(workbook)
+        self.codes, self.files = watched(workbook)
+        self._names: dict = {}  # code object -> name, for the watched files
         self.max_calls = max_calls  # watch only the first calls (Triton's interpreter runs 3x slower under the hook)
         self.workbook_name = workbook_name
         self.allowed: list = []  # objects the check handed over (e.g. a reference pool): their methods may run
@@ -179,9 +191,15 @@ class Guard:
     def _hook(self, frame, event, arg):  # noqa: ARG002
         if event != "call" or self.hit is not None:
             return
-        label = self.codes.get(frame.f_code)
+        code = frame.f_code
+        label = self.codes.get(code)
         if label is None:
-            return
+            label = self._names.get(code)
+            if label is None:
+                module = self.files.get(code.co_filename) or self.files.get(os.path.abspath(code.co_filename))
+                if module is None or code.co_name == "<module>":  # importing a module is not calling it
+                    return
+                label = self._names[code] = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
         if self.allowed:
             me = frame.f_locals.get("self")
             if me is not None and any(me is a for a in self.allowed):
@@ -244,4 +262,5 @@ def guarded(workbook: str, workbook_name: str, max_calls: int | None = None):
     return Guard(workbook, workbook_name, max_calls)
 
 
-__all__ = ["WATCH", "Guard", "guarded", "in_package", "refuse_package_class", "refuse_package_function", "watched_codes"]
+__all__ = ["WATCH", "Guard", "guarded", "in_package", "refuse_package_class", "refuse_package_function", "watched",
+           "watched_codes"]
