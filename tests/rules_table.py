@@ -106,6 +106,8 @@ RULES = [
          "reference_attention", "delegation"),
     Rule("07_assemble", "it also compares every step's schedule", f"{AS}:check_engine", "policy_differs_in_engine", "preemption"),
     Rule("07_assemble", "with a deliberately small KV pool", f"{AS}:check_engine", "ignores_engine_args"),
+    Rule("07_assemble", "plugs them into minipaged's engine, and serves SmolLM2-135M-Instruct with them", f"{AS}:check_engine",
+         "attention_raises_in_engine"),
     Rule("07_assemble", "**from your own workbook files**", f"{AS}:load_parts", "missing_workbook"),
     Rule("07_assemble", "runs each part's check again", f"{AS}:load_parts", "part_fails_its_check"),
 ]

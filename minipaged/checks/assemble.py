@@ -254,6 +254,20 @@ def _build(build_engine, model, tok, parts, args):
     return llm
 
 
+def _recording_raises(fn: Callable, where: str, raised: list) -> Callable:
+    """``fn`` that describes into ``raised`` what it raises (the engine turns it into a request error)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raised.append(f"in your {where}: {describe_exception(e)}")
+            raise
+
+    return call
+
+
 def _check_plugged(llm, parts: Parts) -> None:
     eng = getattr(llm, "engine", None)
     if eng is None:
@@ -293,8 +307,9 @@ def _check_plugged(llm, parts: Parts) -> None:
                             "every part from `parts`, and pass **engine_args on unchanged.")
 
 
-def _record_schedules(llm) -> list:
-    """Wrap the engine's scheduler's schedule() to keep, per step, [(request, start, new tokens)] and the preempted."""
+def _record_schedules(llm, raised: list | None = None) -> list:
+    """Wrap the engine's scheduler's schedule() to keep, per step, [(request, start, new tokens)] and the
+    preempted; what raises in it (your scheduler, table or allocator) is described into ``raised``."""
     steps: list = []
     sched = llm.engine.scheduler
     schedule = sched.schedule
@@ -304,7 +319,12 @@ def _record_schedules(llm) -> list:
         return names.setdefault(seq.seq_id, f"r{len(names)}")
 
     def recording():
-        out = schedule()
+        try:
+            out = schedule()
+        except Exception as e:
+            if raised is not None:
+                raised.append(f"in schedule(): {describe_exception(e)}")
+            raise
         steps.append((tuple((name(s.seq), s.start, s.num_new_tokens) for s in out.scheduled),
                       tuple(name(s) for s in out.preempted)))
         return out
@@ -361,9 +381,13 @@ def check_engine(build_engine: Callable, folder: str | os.PathLike | None = None
         exp = _generate(ref, PROMPTS, "the reference engine")
         t_ref = time.perf_counter() - t
         state["current"] = "serving the prompts with your engine"
+        raised: list = []
+        parts.paged_attention = _recording_raises(parts.paged_attention, "attention (04)", raised)
+        if parts.paged_decode is not None:
+            parts.paged_decode = _recording_raises(parts.paged_decode, "Triton decode (05)", raised)
         llm = _build(build_engine, model, tok, parts, ENGINE_ARGS)
         _check_plugged(llm, parts)
-        got_steps = _record_schedules(llm) if hasattr(llm, "engine") else None
+        got_steps = _record_schedules(llm, raised) if hasattr(llm, "engine") else None
         t = time.perf_counter()
         # While your engine serves, none of minipaged's own parts may run in place of yours.
         with guarded("07", NAME), watching("your engine (build_engine(...).generate)"):
@@ -372,6 +396,16 @@ def check_engine(build_engine: Callable, folder: str | os.PathLike | None = None
         if not isinstance(got, list) or len(got) != len(PROMPTS):
             raise CheckFailed(f"{NAME}: your engine returned {type(got).__name__} for {len(PROMPTS)} prompts; "
                               "expected a list of one output per prompt.")
+        errors = [(i, o) for i, o in enumerate(got) if getattr(o, "finish_reason", None) == "error"]
+        if errors:
+            # The engine keeps serving when a step raises, and ends that step's requests with the error: name it.
+            i, o = errors[0]
+            raise CheckFailed(
+                f"{NAME}: your engine ended {len(errors)} of the {len(PROMPTS)} requests with an error (first: prompt {i}, "
+                f"{PROMPTS[i][:40]!r}):\n    {o.error}\n" + (f"  It was raised {raised[0]}\n" if raised else "")
+                + "\nYour parts pass their own checks, so look at what only the engine gives them: several sequences "
+                "at once, preemption and recompute, the model's shapes (9 query heads over 3 KV heads, head_dim 64), "
+                "dtype and device.")
         if _tokens(got) != _tokens(exp):
             raise _mismatch(exp, got, parts, build_engine, model, tok, state)
         if got_steps is not None:
