@@ -4,7 +4,7 @@ import torch
 
 def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, *,
               stable=True, gqa="div", use_table=True, mask_partial=True, causal_offset=True, mask_decode=True,
-              max_floor=None, mask_value=float("-inf"), diagonal=True):
+              max_floor=None, mask_value=float("-inf"), diagonal=True, scaled=True):
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -24,7 +24,7 @@ def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, 
         else:
             heads = torch.arange(q.shape[1]) % num_kv_heads
         k, v = k[:, heads].float(), v[:, heads].float()
-        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * (scale if scaled else 1.0)
         first = ctx - q_len if causal_offset else 0
         q_pos = torch.arange(first, first + q_len)[:, None]
         k_pos = torch.arange(k.shape[0])[None, :]

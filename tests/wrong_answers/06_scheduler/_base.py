@@ -12,6 +12,9 @@ class BaseScheduler(Scheduler):
     ADMIT_AFTER_PREEMPT = False
     PREEMPT_TO_FRONT = True
     RESET_COMPUTED = True
+    PROMPT_LIMIT_INCLUSIVE = True  # a prompt of max_model_len tokens or more is rejected
+    REJECT_ON_FREE_BLOCKS = False  # compares with the free blocks instead of the whole pool
+    SET_BATCHED_TOKENS = True
     SKIP_HEAD = False  # admit later arrivals when the head of the queue does not fit
 
     def add_request(self, seq):
@@ -22,9 +25,11 @@ class BaseScheduler(Scheduler):
             why = "empty prompt"
         elif seq.max_tokens < 1:
             why = "max_tokens < 1"
-        elif self.max_model_len is not None and seq.num_prompt_tokens >= self.max_model_len:
+        elif self.max_model_len is not None and (
+                seq.num_prompt_tokens >= self.max_model_len if self.PROMPT_LIMIT_INCLUSIVE
+                else seq.num_prompt_tokens > self.max_model_len):
             why = "prompt too long"
-        elif -(-total // bs) > pool:
+        elif -(-total // bs) > (self.allocator.num_free_blocks if self.REJECT_ON_FREE_BLOCKS else pool):
             why = "needs more blocks than the pool"
         if why and self.REJECT:
             seq.status, seq.finish_reason, seq.reject_reason = SequenceStatus.REJECTED, FinishReason.REJECTED, why
@@ -78,7 +83,8 @@ class BaseScheduler(Scheduler):
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if self.SET_BATCHED_TOKENS:
+            out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
     def schedule_waiting(self, out, budget):
