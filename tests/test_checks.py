@@ -514,3 +514,32 @@ def test_solved_workbook_05_serves_decode_on_a_gpu(tmp_path: Path, capsys, one_t
     out = capsys.readouterr().out
     assert parts.paged_decode is not None, out
     assert "decode steps run through your Triton kernel (05" in out, out
+
+
+def test_assembled_attention_dispatches_on_num_decodes() -> None:
+    """With a Triton decode (05), the runner's num_decodes sends the first sequences to it and the rest
+    to the 04 attention: the result equals the reference on a decode-first mixed batch."""
+    pytest.importorskip("triton")
+    from minipaged.checks import assemble
+
+    sys.path.insert(0, str(WRONG / "05_triton_decode_kernel"))
+    try:
+        decode = _load(WRONG / "05_triton_decode_kernel" / "_base.py").make()
+    finally:
+        sys.path.remove(str(WRONG / "05_triton_decode_kernel"))
+    calls = {"decode": 0, "full": 0}
+
+    def counted(fn, key):
+        def f(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+        return f
+
+    parts = assemble.Parts(BlockAllocator, BlockTable, counted(paged_attention, "full"), Scheduler,
+                           counted(decode, "decode"))
+    case = pa.make_case("mixed", "", [(9, 1), (5, 1), (12, 4), (6, 6)], num_heads=4, num_kv_heads=2, seed=3)
+    got = parts.attention(*case.args(), num_decodes=2)
+    assert torch.allclose(got, paged_attention(*case.args()), atol=2e-3, rtol=2e-3)
+    assert calls == {"decode": 1, "full": 1}, calls
+    parts.attention(*case.args(), num_decodes=0)
+    assert calls == {"decode": 1, "full": 2}, calls

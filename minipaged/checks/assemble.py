@@ -76,10 +76,22 @@ class Parts:
             return self.paged_attention
         decode, full = self.paged_decode, self.paged_attention
 
-        def learner_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out=None):
-            if q.shape[0] == context_lens.shape[0]:  # one new token per sequence: a decode step
+        def learner_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out=None,
+                              num_decodes=0):
+            # The runner puts decode sequences first and says how many (AttentionMetadata.num_decodes): the
+            # first num_decodes sequences, one query row each, go to your Triton decode, the rest to your 04.
+            n = context_lens.shape[0]
+            d = int(num_decodes)
+            if d == 0:
+                return full(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out)
+            if d == n:
                 return decode(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out)
-            return full(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out)
+            res = torch.empty_like(q) if out is None else out
+            res[:d] = decode(q[:d], k_cache, v_cache, block_tables[:d], context_lens[:d], query_start_loc[: d + 1],
+                             scale, None)
+            res[d:] = full(q[d:], k_cache, v_cache, block_tables[d:], context_lens[d:], query_start_loc[d:] - d,
+                           scale, None)
+            return res
 
         return learner_attention
 
