@@ -13,6 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minipaged.parts import allocate_many, check_pool, check_table
+from minipaged.runner import pad_block_tables
 from minipaged.attention.reference import gather_kv
 from minipaged.block_allocator import BlockAllocator
 from minipaged.block_table import BlockTable
@@ -89,7 +91,7 @@ def test_write_then_gather_by_block_table_round_trips(block_size, num_seqs, num_
     num_blocks = sum(-(-n // block_size) for n in lengths) + rng.randint(0, 3)
     # A shuffled free list: tables get scattered, non-increasing block ids.
     alloc = BlockAllocator(num_blocks, block_size=block_size)
-    taken = alloc.allocate_many(num_blocks)
+    taken = allocate_many(alloc, num_blocks)
     rng.shuffle(taken)
     for b in taken:
         alloc.free(b)
@@ -118,12 +120,12 @@ def test_write_then_gather_by_block_table_round_trips(block_size, num_seqs, num_
             written[s][2 * layer + 1] = torch.cat([written[s][2 * layer + 1], v])
         if t.num_tokens == lengths[s]:
             pending.remove(s)
-    alloc.check_invariants()
+    check_pool(alloc)
 
     width = max(len(t.blocks) for t in tables) + 1  # padded rows, as a batch has them
     for s, t in enumerate(tables):
-        t.check_invariants()
-        row = t.as_tensor(width)
+        check_table(t)
+        row = pad_block_tables([t.blocks], width=width)[0]
         for layer in range(num_layers):
             got_k = gather_kv(cache.k[layer], row, lengths[s])
             got_v = gather_kv(cache.v[layer], row, lengths[s])
@@ -131,5 +133,41 @@ def test_write_then_gather_by_block_table_round_trips(block_size, num_seqs, num_
             assert torch.equal(got_v, written[s][2 * layer + 1]), f"seq {s} layer {layer}: V read back differs"
             # Token by token, through (block, offset), as a learner would index it.
             for p in rng.sample(range(lengths[s]), min(3, lengths[s])):
-                block, offset = t.physical(p)
+                block, offset = t.blocks[p // t.block_size], p % t.block_size
                 assert torch.equal(cache.k[layer][block, offset], written[s][2 * layer][p])
+
+
+# -- sizing the pool from the configuration ----------------------------------------------------
+def test_plan_num_blocks_follows_the_config_and_the_model_shape(monkeypatch):
+    from minipaged import kv_cache
+    from minipaged.config import EngineConfig
+
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device="cpu": 64 * 2**30)
+    per_token = kv_bytes_per_token(30, 3, 64, torch.float32)  # SmolLM2-135M in fp32: 46,080 bytes
+    assert per_token == 2 * 30 * 3 * 64 * 4
+    shape = dict(num_layers=30, num_kv_heads=3, head_dim=64, max_model_len=2048)
+    # num_blocks wins over everything
+    assert kv_cache.plan_num_blocks(EngineConfig(num_blocks=7, kv_cache_bytes=10**9), **shape) == 7
+    # a budget: whole blocks only
+    cfg = EngineConfig(block_size=16, kv_cache_bytes=100 * per_token * 16 + 5)
+    assert kv_cache.plan_num_blocks(cfg, **shape) == 100
+    # never more than max_num_seqs full-length sequences could use
+    cfg = EngineConfig(block_size=16, kv_cache_bytes=2**30, max_num_seqs=2)
+    assert kv_cache.plan_num_blocks(cfg, **shape) == 2 * (2048 // 16)
+    # block size changes the count, bytes per block scale with it
+    cfg = EngineConfig(block_size=32, kv_cache_bytes=100 * per_token * 16)
+    assert kv_cache.plan_num_blocks(cfg, **shape) == 50
+
+
+def test_plan_num_blocks_refuses_a_budget_past_the_memory_there_is(monkeypatch):
+    from minipaged import kv_cache
+    from minipaged.config import EngineConfig
+
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device="cpu": 2**30)
+    shape = dict(num_layers=30, num_kv_heads=3, head_dim=64, max_model_len=2048)
+    with pytest.raises(ValueError, match=r"kv_cache_bytes=2147483648 \(2.00 GiB\) is more than the memory available.*1.00 GiB free"):
+        kv_cache.plan_num_blocks(EngineConfig(kv_cache_bytes=2**31), **shape)
+    with pytest.raises(ValueError, match=r"num_blocks=100000 .* is more than the memory available"):
+        kv_cache.plan_num_blocks(EngineConfig(num_blocks=100000), **shape)
+    with pytest.raises(ValueError, match="holds no block"):
+        kv_cache.plan_num_blocks(EngineConfig(kv_cache_bytes=10), **shape)
