@@ -43,6 +43,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -548,6 +549,12 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     package_digest = tree_digest(_PACKAGE)
     stop = threading.Event()
+
+    def on_term(signum, frame):  # noqa: ARG001 - `kill` stops like Ctrl-C: the runs in progress are ended too
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
     progress = Progress(len(todo))
     aborted = ""
     pool = cf.ThreadPoolExecutor(max_workers=args.jobs)
