@@ -105,9 +105,9 @@ def graded_bwrap(tmp_path_factory) -> Graded:
 @pytest.fixture(scope="module")
 def graded_plain(tmp_path_factory) -> Graded:
     # The harness and its verdicts are the same with or without bwrap (the bwrap class covers every
-    # attack on them); here: every file-system attack, the honest, a forged channel, broken files.
+    # attack on them); here: every file-system attack, the honest, a forged channel, broken files, limits.
     return _grade_hostile(tmp_path_factory.mktemp("hostile_plain"), "--no-sandbox",
-                          only=("honest_", "unsolved_", "zz_", "a_", "b_patch_builtins", "d_os_exit_forged", "f_")
+                          only=("honest_", "unsolved_", "zz_", "a_", "b_patch_builtins", "d_os_exit_forged", "f_", "h_")
                           + (() if HAVE_BWRAP else ("e_",)))
 
 

@@ -194,6 +194,15 @@ def build(root: Path, package: Path) -> dict:
                    "    if 'def bytes_per_' in src or 'def max_seqs' in src:\n        exec(src)",
                    ALL_NOT_IMPL, answer_index=3)
 
+    # -- attacks on the machine: memory and output (solved workbooks: the limits hold, the grade stands)
+    for name, code in (("h_memory", "hog = bytearray(6 * 2**30)"),
+                       ("h_output_flood", "import sys\nfor _ in range(200):\n    sys.stdout.write('x' * 2**18)")):
+        nb = _nb(SOLUTIONS, WB)
+        _insert_after_answer(nb, code)
+        _write(nb, cls / name / f"{WB}.ipynb")
+        E[name] = {WB: dict(ALL_PASS)}
+    E["h_memory"][WB]["code cell 2 (your code, not a check)"] = ("ERROR", "MemoryError")
+
     # -- delegation: minipaged's own class under the learner's name (the checks must refuse it) -------
     def delegate(name: str, code: str) -> None:
         nb = _nb(EXERCISES, "02_block_allocator")
