@@ -1,7 +1,7 @@
 """The course's workbooks as files: their names, which file is which learner's, and running
 a workbook's code cells (without its checks) to take the definitions out of it.
 
-Used by the grader (minipaged.grading) and by workbook 07, which assembles a learner's
+Used by the grader (minipaged.checks.grading) and by workbook 07, which assembles a learner's
 parts from their own earlier workbooks.
 """
 from __future__ import annotations
