@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "minipaged", "grade", str(cls), "--csv", str(out / "grades.csv"), "--overwrite",
            "--jobs", str(args.jobs)] + (["--no-sandbox"] if args.no_sandbox else [])
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True)
     wall = time.monotonic() - t0
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.learners} learners x 7 workbooks = {n} submissions graded in {wall / 60:.1f} min "
           f"(--jobs {args.jobs}, {'bwrap' if sandboxed else 'no sandbox'}, {os.cpu_count()} cores): "
           f"{wall / max(1, n):.1f} s per workbook on average")
+    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"load average (1 min) {load0:.1f} at the start, {load1:.1f} at the end: other work on the machine slows this")
     print(f"grades as built: {'yes' if not wrong else 'NO: ' + '; '.join(wrong[:5])}")
     print(f"grader exit status {proc.returncode}; class and grades in {work}")
     return 0 if not wrong else 1
