@@ -56,8 +56,10 @@ class PrefixCacheProtocol(Protocol):
     - ``match_prefix(token_ids)``: the cached blocks holding the longest prefix of
       ``token_ids`` made of whole blocks, never including the last token (it is always
       recomputed, so that there are logits to sample from). Changes nothing;
-    - ``insert(block_hash, block_id)``: ``block_id`` (in use, full, its K/V computed) holds the
-      block with that hash. If the hash is cached already, nothing changes;
+    - ``cache_blocks(token_ids, blocks)``: ``token_ids`` are a sequence's tokens whose K/V is
+      computed, ``blocks`` its block table's blocks: every *full* block among them becomes
+      findable by its chained hash (a partial block is still being written: never cached). A
+      hash cached already keeps its block;
     - ``num_cached_blocks``: blocks findable by hash now; ``num_evictions``: hashes dropped so far.
     """
 
@@ -83,12 +85,12 @@ class PrefixCacheProtocol(Protocol):
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]: ...
 
-    def insert(self, block_hash: bytes, block_id: int) -> None: ...
+    def cache_blocks(self, token_ids: Sequence[int], blocks: Sequence[int]) -> None: ...
 
 
 PREFIX_CACHE_MEMBERS = (
     "num_blocks", "block_size", "num_free_blocks", "allocate", "free", "incref", "ref_count",
-    "hash_block", "match_prefix", "insert", "num_cached_blocks", "num_evictions",
+    "hash_block", "match_prefix", "cache_blocks", "num_cached_blocks", "num_evictions",
 )
 
 
@@ -196,16 +198,24 @@ class PrefixCache:
             blocks.append(b)
         return blocks
 
-    def insert(self, block_hash: bytes, block_id: int) -> None:
+    def cache_blocks(self, token_ids: Sequence[int], blocks: Sequence[int]) -> None:
+        bs = self.block_size
+        parent = ROOT_HASH
+        for i in range(min(len(token_ids) // bs, len(blocks))):
+            b = blocks[i]
+            known = self._hash_of.get(b)
+            # a block cached already is this very block of this sequence: its hash is the parent
+            # of the next, no need to hash it again (so a long sequence costs one hash per new block)
+            h = known if known is not None else self.hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            if known is None:
+                self._insert(h, b)
+            parent = h
+
+    def _insert(self, block_hash: bytes, block_id: int) -> None:
         if block_hash in self._block_of:
             return  # the same content is cached in another block already: keep that one
         if self.ref_count(block_id) <= 0:
             raise BlockAllocatorError(f"cannot cache block {block_id}: no block table holds it, so its K/V may be stale")
-        if block_id in self._hash_of:
-            raise BlockAllocatorError(
-                f"block {block_id} is cached already with another content: a full block is never written again, "
-                "so it cannot hold a second hash"
-            )
         self._block_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
         self.pool.incref(block_id)  # the cache's own hold
@@ -259,17 +269,12 @@ class PrefixStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
-def cache_computed_blocks(cache: Any, token_ids: Sequence[int], blocks: Sequence[int], num_computed: int,
-                          hashes: list[bytes]) -> None:
-    """Insert every full block whose K/V is computed (the first ``num_computed`` tokens) and that
-    ``hashes`` (the sequence's chain so far, extended in place) does not cover yet."""
+def cache_computed_blocks(cache: Any, token_ids: Sequence[int], blocks: Sequence[int], start: int, end: int) -> None:
+    """After a step computed the K/V of positions ``start..end-1``: cache the blocks that became
+    full (nothing to do when no block boundary was crossed)."""
     bs = cache.block_size
-    while len(hashes) < min(num_computed // bs, len(blocks)):
-        i = len(hashes)
-        parent = hashes[-1] if hashes else ROOT_HASH
-        h = cache.hash_block(parent, list(token_ids[i * bs : (i + 1) * bs]))
-        hashes.append(h)
-        cache.insert(h, blocks[i])
+    if end // bs > start // bs:
+        cache.cache_blocks(list(token_ids[: (end // bs) * bs]), list(blocks))
 
 
 # -- copy-on-write ----------------------------------------------------------------------------

@@ -23,7 +23,6 @@ from minipaged.prefix_cache import (
     PrefixCache,
     PrefixCacheProtocol,
     block_hashes,
-    cache_computed_blocks,
     check_prefix_cache,
     copy_blocks,
     copy_on_write,
@@ -46,7 +45,7 @@ def _admit(cache: PrefixCache, tokens: list[int]) -> tuple[BlockTable, int]:
     t.num_tokens = len(hit) * cache.block_size
     computed = t.num_tokens
     t.append_tokens(len(tokens) - computed)
-    cache_computed_blocks(cache, tokens, t.blocks, len(tokens), [])
+    cache.cache_blocks(tokens, t.blocks)
     return t, computed
 
 
@@ -148,24 +147,26 @@ def test_misuse_is_refused_and_changes_nothing():
     before = (parts.ref_counts(c), c.num_free_blocks, c.evictable())
     with pytest.raises(BlockAllocatorError, match="double free"):
         c.free(b)  # cached but held by nobody
-    with pytest.raises(BlockAllocatorError):
-        c.insert(hash_block(ROOT_HASH, [9, 9]), b)  # nobody holds it: its K/V may be stale
     free_b = next(x for x in range(3) if not c.is_cached(x))
+    with pytest.raises(BlockAllocatorError, match="no block table holds it"):
+        c.cache_blocks([9, 9], [free_b])  # nobody holds it: its K/V may be stale
     with pytest.raises(BlockAllocatorError):
         c.incref(free_b)
     assert (parts.ref_counts(c), c.num_free_blocks, c.evictable()) == before
     check_prefix_cache(c)
 
 
-def test_insert_of_a_known_hash_keeps_the_first_block():
-    c = _cache(4, 2)
-    a, b = c.allocate(), c.allocate()
-    h = hash_block(ROOT_HASH, [1, 2])
-    c.insert(h, a)
-    c.insert(h, b)
-    assert c.num_cached_blocks == 1 and c.is_cached(a) and not c.is_cached(b)
-    with pytest.raises(BlockAllocatorError, match="another content"):
-        c.insert(hash_block(ROOT_HASH, [3, 4]), a)
+def test_a_known_hash_keeps_its_first_block():
+    c = _cache(6, 2)
+    a, b = BlockTable(c), BlockTable(c)
+    a.append_tokens(3), b.append_tokens(3)  # the same tokens computed twice (one step, before any was cached)
+    c.cache_blocks([1, 2, 3], a.blocks)
+    c.cache_blocks([1, 2, 3], b.blocks)
+    assert c.num_cached_blocks == 1 and c.is_cached(a.blocks[0]) and not c.is_cached(b.blocks[0])
+    assert not c.is_cached(a.blocks[1]), "a partial block is never cached"
+    c.cache_blocks([1, 2, 3, 4], a.blocks)
+    assert c.num_cached_blocks == 2 and c.is_cached(a.blocks[1])
+    assert c.match_prefix([1, 2, 3, 4, 5]) == a.blocks[:2]
 
 
 def test_prefix_cache_over_a_learner_style_pool():
@@ -262,10 +263,10 @@ class SharingMachine(RuleBasedStateMachine):
     def setup(self, num_blocks, block_size):
         self.c = PrefixCache(BlockAllocator(num_blocks, block_size))
         self.bs = block_size
-        self.tables: list[tuple[BlockTable, list[int], list[bytes]]] = []  # (table, tokens, hashes)
+        self.tables: list[tuple[BlockTable, list[int]]] = []  # (table, its tokens)
 
-    def _cache_full(self, t, toks, hashes):
-        cache_computed_blocks(self.c, toks, t.blocks, t.num_tokens, hashes)
+    def _cache_full(self, t, toks):
+        self.c.cache_blocks(toks[: t.num_tokens], t.blocks)
 
     @rule(toks=st.lists(st.integers(0, 3), min_size=1, max_size=12))
     def admit(self, toks):
@@ -282,14 +283,13 @@ class SharingMachine(RuleBasedStateMachine):
             self.c.incref(b)
         t.blocks, t.num_tokens = list(hit), len(hit) * self.bs
         t.append_tokens(len(toks) - t.num_tokens)
-        hashes: list[bytes] = []
-        self._cache_full(t, toks, hashes)
-        self.tables.append((t, list(toks), hashes))
+        self._cache_full(t, toks)
+        self.tables.append((t, list(toks)))
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data(), tok=st.integers(0, 3))
     def decode(self, data, tok):
-        t, toks, hashes = data.draw(st.sampled_from(self.tables))
+        t, toks = data.draw(st.sampled_from(self.tables))
         pos = t.num_tokens
         need = t.blocks_needed(1) + num_cow_blocks(t, pos, pos + 1)
         if need > self.c.num_free_blocks:
@@ -299,18 +299,18 @@ class SharingMachine(RuleBasedStateMachine):
         for i in range(pos // self.bs, len(t.blocks)):
             assert self.c.ref_count(t.blocks[i]) == 1, "a block written to must be this table's alone"
         toks.append(tok)
-        self._cache_full(t, toks, hashes)
+        self._cache_full(t, toks)
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())
     def fork(self, data):
-        t, toks, hashes = data.draw(st.sampled_from(self.tables))
-        self.tables.append((parts.fork_table(t), list(toks), list(hashes)))
+        t, toks = data.draw(st.sampled_from(self.tables))
+        self.tables.append((parts.fork_table(t), list(toks)))
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())
     def free(self, data):
-        t, _, _ = self.tables.pop(data.draw(st.integers(0, len(self.tables) - 1)))
+        t, _ = self.tables.pop(data.draw(st.integers(0, len(self.tables) - 1)))
         t.free()
 
     @invariant()
@@ -319,23 +319,23 @@ class SharingMachine(RuleBasedStateMachine):
             return
         check_prefix_cache(self.c)
         holders: dict[int, int] = {}
-        for t, toks, _ in self.tables:
+        for t, toks in self.tables:
             parts.check_table(t)
             for b in t.blocks:
                 holders[b] = holders.get(b, 0) + 1
         for b in range(self.c.num_blocks):
             assert self.c.ref_count(b) == holders.get(b, 0), f"block {b}: leaked or over-freed"
-        # every cached full block holds what its hash says: the block of a live table at that index
-        for t, toks, hashes in self.tables:
-            for i, h in enumerate(hashes):
-                b = self.c._block_of.get(h)
-                if b is not None and b == t.blocks[i]:
-                    assert h == block_hashes(toks, self.bs)[i]
+        # a cached block that a live table holds is one of its full blocks, under that block's chained hash
+        for t, toks in self.tables:
+            chain = block_hashes(toks, self.bs)
+            for i, b in enumerate(t.blocks):
+                if self.c.is_cached(b):
+                    assert i < len(chain) and self.c._hash_of[b] == chain[i], f"block {b} is cached with the wrong content"
 
     def teardown(self):
         if not hasattr(self, "c"):
             return
-        for t, _, _ in self.tables:
+        for t, _ in self.tables:
             t.free()
         check_prefix_cache(self.c)
         assert self.c.num_free_blocks == self.c.num_blocks, "a block leaked after every table was freed"
