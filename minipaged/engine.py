@@ -103,6 +103,20 @@ class ModelRunner:
         return ids, pos, meta, sample_rows
 
 
+def resolve_prefix_caching(setting: bool | None, scheduler_cls: type) -> bool:
+    """None (the default): on when the scheduler's ``schedule`` declares ``prefix_caching``
+    (minipaged's does); True: on, refused for a scheduler that does not declare it; False: off."""
+    from .parts import declared_support, require_support
+
+    if setting is None:
+        return "prefix_caching" in declared_support(scheduler_cls, "schedule")
+    if not isinstance(setting, bool):
+        raise ValueError(f"enable_prefix_caching must be True, False or None (on when the scheduler supports it), got {setting!r}")
+    if setting:
+        require_support(scheduler_cls, "schedule", "prefix_caching", "enable_prefix_caching=True", "scheduler")
+    return setting
+
+
 class LLMEngine:
     """``add_request`` / ``step`` / ``has_unfinished_requests``, for watching an engine work.
 
@@ -127,6 +141,8 @@ class LLMEngine:
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool | None = None,
+        prefix_cache_cls: type | None = None,
         record_trace: bool = True,
     ) -> None:
         self.model = model.eval()
@@ -142,6 +158,17 @@ class LLMEngine:
             num_blocks = min(num_blocks, max_num_seqs * -(-self.max_model_len // block_size))
         self.block_size = block_size
         self.allocator = allocator_cls(num_blocks, block_size)
+        self.prefix_cache = None
+        self.enable_prefix_caching = resolve_prefix_caching(enable_prefix_caching, scheduler_cls)
+        sched_kw = {}
+        if self.enable_prefix_caching:
+            from .prefix_cache import PrefixCache
+
+            # the cache is the pool the scheduler and block tables see (its free count includes
+            # cached blocks nobody holds); the allocator it wraps is self.prefix_cache.pool
+            self.prefix_cache = (prefix_cache_cls or PrefixCache)(self.allocator)
+            self.allocator = self.prefix_cache
+            sched_kw["enable_prefix_caching"] = True
         self.scheduler = scheduler_cls(
             self.allocator,
             block_table_cls=block_table_cls,
@@ -149,6 +176,7 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
+            **sched_kw,
         )
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.backend = get_backend(attention, self.device)
@@ -252,6 +280,10 @@ class LLMEngine:
                     f"{self.allocator.num_free_blocks} free blocks. A scheduler must make progress every step."
                 )
             return [self._output(s) for s in changed]
+        if getattr(out, "blocks_to_copy", None):
+            from .prefix_cache import copy_blocks
+
+            copy_blocks(self.kv_cache, out.blocks_to_copy)  # copy-on-write, before this step writes K/V
         ids, pos, meta, rows = self.runner.prepare(out)
         hidden = self.model(ids, pos, self.kv_cache, meta, self.backend)
         sampling = [s.seq for s in out.scheduled if s.samples]
@@ -340,6 +372,10 @@ class LLMEngine:
             "kv_cache_mib": self.kv_cache.nbytes / 2**20,
             "preemptions": sum(s.num_preemptions for s in seqs),
         }
+        if self.prefix_cache is not None:
+            ps = self.scheduler.prefix_stats
+            info.update(prefix_hit_rate=ps.hit_rate, prefix_hit_tokens=ps.hit_tokens,
+                        cached_blocks=self.prefix_cache.num_cached_blocks, evictions=self.prefix_cache.num_evictions)
         if self.trace is not None and self.trace.steps:
             info.update(
                 peak_blocks_used=self.trace.peak_blocks_used,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .block_allocator import BlockAllocator
 from .block_table import BlockTable
+from .prefix_cache import PrefixStats, cache_computed_blocks, copy_on_write, num_cow_blocks
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -36,6 +37,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write: (src, dst), before the step writes
 
     @property
     def is_empty(self) -> bool:
@@ -51,8 +53,14 @@ class Scheduler:
     - when a running sequence needs a block and none is free, the most recently admitted
       running sequence is preempted: its blocks are freed, ``num_computed_tokens`` reset to
       0, and it goes back to the front of the waiting queue to be recomputed later;
-    - a request that could not fit even in an empty pool is rejected at once.
+    - a request that could not fit even in an empty pool is rejected at once;
+    - with prefix caching (``allocator`` is a PrefixCache), an admitted sequence shares the
+      cached blocks of its longest cached prefix and starts computing past them; blocks that
+      become full are cached after each step; a running sequence that is about to write into a
+      shared block gets its own copy first (copy-on-write, in ``blocks_to_copy``).
     """
+
+    supports = frozenset({"chunked_prefill_off", "prefix_caching"})
 
     def __init__(
         self,
@@ -62,6 +70,7 @@ class Scheduler:
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = False,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -73,6 +82,13 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        if enable_prefix_caching and not hasattr(allocator, "match_prefix"):
+            raise ValueError(
+                f"enable_prefix_caching=True needs a prefix cache as the allocator (it has no match_prefix): "
+                f"wrap the pool, e.g. PrefixCache({type(allocator).__name__}(...)), or turn prefix caching off"
+            )
+        self.prefix_caching = bool(enable_prefix_caching)
+        self.prefix_stats = PrefixStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
@@ -135,7 +151,8 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             table = seq.block_table
-            while table.blocks_needed(n) > self.allocator.num_free_blocks:
+            start = seq.num_computed_tokens
+            while table.blocks_needed(n) + num_cow_blocks(table, start, start + n) > self.allocator.num_free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -143,6 +160,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: everyone after it is gone too
+            out.blocks_to_copy.extend(copy_on_write(table, start, start + n))
             table.append_tokens(n)
             out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
@@ -152,13 +170,26 @@ class Scheduler:
         #    memory is short, and admitting now would only preempt again).
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            table = self.block_table_cls(self.allocator)
+            hit = self.allocator.match_prefix(seq.token_ids) if self.prefix_caching else []
+            num_cached = len(hit) * self.allocator.block_size
+            remaining = seq.num_tokens - num_cached
             if not self.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
-            table = self.block_table_cls(self.allocator)
-            if table.blocks_needed(n) > self.allocator.num_free_blocks:
+            revived = sum(1 for b in hit if self.allocator.ref_count(b) == 0)  # cached, held by nobody: counted as free
+            need = -(-(num_cached + n) // self.allocator.block_size) - len(hit)
+            if need + revived > self.allocator.num_free_blocks:
                 break
+            if hit:
+                for b in hit:
+                    self.allocator.incref(b)
+                table.blocks = list(hit)
+                table.num_tokens = num_cached
+            seq.num_computed_tokens = num_cached
+            if self.prefix_caching:
+                self.prefix_stats.queried_tokens += seq.num_tokens
+                self.prefix_stats.hit_tokens += num_cached
             table.append_tokens(n)
             self.waiting.popleft()
             seq.block_table = table
@@ -183,6 +214,8 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             samples = s.samples
             seq.num_computed_tokens += s.num_new_tokens
+            if self.prefix_caching:
+                cache_computed_blocks(self.allocator, seq.token_ids, seq.block_table.blocks, s.start, seq.num_computed_tokens)
             if not samples:
                 continue
             if seq.seq_id not in sampled:
@@ -227,7 +260,9 @@ class Scheduler:
 
     # -- checks ----------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        self.allocator.check_invariants()
+        from .parts import check_pool
+
+        check_pool(self.allocator)
         assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs={self.max_num_seqs}"
         refs: dict[int, int] = {}
         for seq in self.running:
@@ -243,7 +278,8 @@ class Scheduler:
         ids = [s.seq_id for s in self.running] + [s.seq_id for s in self.waiting]
         assert len(ids) == len(set(ids)), "a sequence is queued twice"
         for b in range(self.allocator.num_blocks):
-            assert self.allocator.ref_counts[b] == refs.get(b, 0), (
-                f"block {b}: allocator ref count {self.allocator.ref_counts[b]} but {refs.get(b, 0)} running "
+            rc = self.allocator.ref_count(b)
+            assert rc == refs.get(b, 0), (
+                f"block {b}: allocator ref count {rc} but {refs.get(b, 0)} running "
                 "block table(s) hold it (leaked or over-freed)"
             )

@@ -1,0 +1,243 @@
+"""Sharing KV blocks in the engine: prefix caching (and copy-on-write) end to end.
+
+- A hypothesis state machine drives the real Scheduler over a PrefixCache with a fake model
+  whose "K/V" is (token, position) per slot: requests from a few shared prefixes arrive, run,
+  are preempted, aborted and finish in a small pool. After every step the scheduler's
+  invariants hold (ref counts above 1, cached-free blocks), and every sequence attends only to
+  its own tokens at their own positions, so a wrong hit or a write into a shared block shows.
+- On SmolLM2, chat prompts that share a system prompt give the same greedy tokens with the
+  cache on and off, equal to transformers', at block sizes 1, 16 (with preemption and chunked
+  prefill) and 64.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from minipaged import parts
+from minipaged.block_allocator import BlockAllocator
+from minipaged.block_table import BlockTable
+from minipaged.engine import LLMEngine
+from minipaged.prefix_cache import PrefixCache
+from minipaged.sampling import SamplingParams
+from minipaged.scheduler import Scheduler
+from minipaged.sequence import Sequence, SequenceStatus
+
+
+def _scheduler(pool, **kw) -> Scheduler:
+    return Scheduler(pool, BlockTable, **kw)
+
+
+class FakeModel:
+    """K/V of a slot = (token id, position): enough to see whose context a sequence reads."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.bs = block_size
+        self.kv = torch.full((num_blocks * block_size, 2), -1, dtype=torch.long)
+
+    def step(self, out) -> dict:
+        for src, dst in out.blocks_to_copy:
+            bs = self.bs
+            self.kv[dst * bs : (dst + 1) * bs] = self.kv[src * bs : (src + 1) * bs]
+        sampled = {}
+        for s in out.scheduled:
+            seq, a, n = s.seq, s.start, s.num_new_tokens
+            toks = seq.token_ids
+            if a > 0:  # what this step attends to must be this sequence's own tokens
+                ctx = self.kv[seq.block_table.slot_mapping(0, a)]
+                want = torch.tensor([[toks[p], p] for p in range(a)])
+                assert torch.equal(ctx, want), f"{seq}: positions 0..{a - 1} hold another sequence's K/V"
+            slots = seq.block_table.slot_mapping(a, a + n)
+            self.kv[slots] = torch.tensor([[toks[p], p] for p in range(a, a + n)])
+            if s.samples:
+                sampled[seq.seq_id] = (sum(toks) * 31 + len(toks)) % 5
+        return sampled
+
+
+class EngineMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(3, 24), block_size=st.sampled_from([1, 2, 4]),
+                budget=st.integers(2, 24), max_num_seqs=st.integers(1, 5))
+    def setup(self, num_blocks, block_size, budget, max_num_seqs):
+        self.cache = PrefixCache(BlockAllocator(num_blocks, block_size))
+        self.sched = _scheduler(self.cache, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                enable_prefix_caching=True)
+        self.model = FakeModel(num_blocks, block_size)
+        self.prefixes = [[1, 2, 3, 4, 0, 1, 2, 3], [4, 4, 3, 3, 2, 2], [0]]
+        self.n = 0
+        self.steps = 0
+
+    @rule(p=st.integers(0, 2), tail=st.lists(st.integers(0, 4), max_size=6), max_tokens=st.integers(1, 6))
+    def add(self, p, tail, max_tokens):
+        toks = self.prefixes[p] + tail
+        seq = Sequence(f"r{self.n}", toks, max_tokens=max_tokens)
+        self.n += 1
+        self.sched.add_request(seq)
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule()
+    def step(self):
+        out = self.sched.schedule()
+        assert not out.is_empty, "the scheduler made no progress"
+        self.sched.update(out, self.model.step(out))
+        self.steps += 1
+
+    @precondition(lambda self: self.sched.running or self.sched.waiting)
+    @rule(data=st.data())
+    def abort(self, data):
+        seqs = list(self.sched.running) + list(self.sched.waiting)
+        seq = data.draw(st.sampled_from(seqs))
+        assert self.sched.abort(seq.seq_id) is seq
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "sched"):
+            self.sched.check_invariants()
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        for _ in range(500):
+            if not self.sched.has_unfinished():
+                break
+            self.step()
+        assert not self.sched.has_unfinished()
+        self.sched.check_invariants()
+        assert self.cache.num_free_blocks == self.cache.num_blocks, "a block leaked"
+        assert all(self.cache.ref_count(b) == 0 for b in range(self.cache.num_blocks))
+
+
+EngineMachine.TestCase.settings = settings(
+    max_examples=70, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_scheduler_with_prefix_cache_state_machine = EngineMachine.TestCase
+
+
+def test_a_shared_prefix_is_computed_once():
+    cache = PrefixCache(BlockAllocator(16, 4))
+    sched = _scheduler(cache, max_num_batched_tokens=64, enable_prefix_caching=True)
+    model = FakeModel(16, 4)
+    first = Sequence("a", list(range(10)), max_tokens=2)
+    sched.add_request(first)
+    out = sched.schedule()
+    sched.update(out, model.step(out))
+    second = Sequence("b", list(range(8)) + [9, 9, 9], max_tokens=2)
+    sched.add_request(second)
+    out = sched.schedule()
+    new = next(s for s in out.scheduled if s.seq is second)
+    assert (new.start, new.num_new_tokens) == (8, 3), "the 8 cached tokens count as computed"
+    assert second.block_table.blocks[:2] == first.block_table.blocks[:2]
+    assert [cache.ref_count(b) for b in first.block_table.blocks[:2]] == [2, 2]
+    sched.update(out, model.step(out))
+    sched.check_invariants()
+    assert sched.prefix_stats.hit_tokens == 8 and sched.prefix_stats.queried_tokens == 21
+
+
+def test_a_prompt_of_whole_cached_blocks_recomputes_its_last_block():
+    cache = PrefixCache(BlockAllocator(8, 4))
+    sched = _scheduler(cache, enable_prefix_caching=True)
+    model = FakeModel(8, 4)
+    for rid in ("a", "b"):
+        sched.add_request(Sequence(rid, list(range(8)), max_tokens=1))
+        while sched.has_unfinished():
+            out = sched.schedule()
+            if rid == "b":
+                s = out.scheduled[0]
+                assert (s.start, s.num_new_tokens, s.samples) == (4, 4, True), "the last prompt token must run"
+            sched.update(out, model.step(out))
+    assert cache.num_free_blocks == 8 and cache.num_cached_blocks == 2
+
+
+def test_prefix_caching_needs_a_cache_and_a_scheduler_that_supports_it():
+    with pytest.raises(ValueError, match="needs a prefix cache"):
+        _scheduler(BlockAllocator(4, 4), enable_prefix_caching=True)
+
+    class LearnerScheduler(Scheduler):
+        def schedule(self):
+            return super().schedule()
+
+    from minipaged.engine import resolve_prefix_caching
+
+    assert resolve_prefix_caching(None, Scheduler) is True
+    assert resolve_prefix_caching(None, LearnerScheduler) is False, "a scheduler that does not declare it runs without"
+    assert resolve_prefix_caching(False, Scheduler) is False
+    with pytest.raises(ValueError, match="supports = {'prefix_caching'}"):
+        resolve_prefix_caching(True, LearnerScheduler)
+    with pytest.raises(ValueError, match="True, False or None"):
+        resolve_prefix_caching("yes", Scheduler)
+
+
+# -- SmolLM2: greedy tokens with the cache on and off, and transformers' -----------------------
+SYSTEM = (
+    "You are a careful assistant for a course about serving language models. Answer in one short sentence, "
+    "in plain words, and give numbers when they matter. If you do not know, say so. Be kind and precise, "
+    "and never make up facts about the course."
+)
+QUESTIONS = ["What is a KV cache?", "Name a colour.", "What is 2 plus 2?"]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def shared_ids(smollm2):
+    _, tok = smollm2
+    ids = [tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                                              add_generation_prompt=True)) for q in QUESTIONS]
+    common = next(i for i, col in enumerate(zip(*ids)) if len(set(col)) > 1)
+    assert common > 65, f"the prompts share only {common} tokens: too few for a hit at block size 64"
+    return ids
+
+
+@pytest.fixture(scope="module")
+def hf_shared(hf_smollm2, shared_ids):
+    outs = []
+    with torch.inference_mode():
+        for ids in shared_ids:
+            g = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2,
+                                    pad_token_id=2)
+            outs.append(g[0, len(ids):].tolist())
+    return outs
+
+
+def _serve(model, tok, prompts, **kw):
+    eng = LLMEngine(model, tok, **kw)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    # the first request alone, then the rest: they arrive while its blocks are cached
+    first = eng.add_request({"prompt_token_ids": prompts[0]}, params)
+    eng.step()
+    ids = [first] + [eng.add_request({"prompt_token_ids": p}, params) for p in prompts[1:]]
+    done = eng.run()
+    eng.scheduler.check_invariants()
+    assert eng.allocator.num_free_blocks == eng.allocator.num_blocks, "blocks leaked after every request finished"
+    return [done[i].token_ids for i in ids], eng
+
+
+def _trim(toks, eos=(2,)):
+    for i, t in enumerate(toks):
+        if t in eos:
+            return toks[: i + 1]
+    return toks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [
+    dict(block_size=1, num_blocks=1200),
+    dict(block_size=16, num_blocks=18, max_num_batched_tokens=48),  # 3 prompts of ~90 + 8 tokens: preempts, chunks
+    dict(block_size=64, num_blocks=12),
+], ids=["block1", "block16-preempt-chunked", "block64"])
+def test_greedy_same_with_cache_on_and_off_and_equals_transformers(smollm2, shared_ids, hf_shared, kw):
+    model, tok = smollm2
+    off, eng_off = _serve(model, tok, shared_ids, enable_prefix_caching=False, **kw)
+    on, eng_on = _serve(model, tok, shared_ids, enable_prefix_caching=True, **kw)
+    assert on == off, f"{kw}: prefix caching changed the greedy tokens"
+    for i, (g, want) in enumerate(zip(on, hf_shared)):
+        assert g == _trim(want), f"{kw}: prompt {i}: minipaged {g} vs transformers {want}"
+    st_on = eng_on.stats()
+    assert st_on["prefix_hit_tokens"] > 0, f"{kw}: no prompt found the shared system prompt in the cache"
+    computed_on = sum(s.prefill_tokens for s in eng_on.trace.steps)
+    computed_off = sum(s.prefill_tokens for s in eng_off.trace.steps)
+    assert computed_on < computed_off
+    if kw.get("num_blocks") == 18:
+        assert eng_on.scheduler.num_preemptions > 0 and eng_off.scheduler.num_preemptions > 0, "meant to preempt"
+        assert max(s.prefill_tokens + s.decode_tokens for s in eng_on.trace.steps) <= 48
