@@ -16,7 +16,7 @@ import itertools
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from .attention import AttentionMetadata, get_backend
 from .block_allocator import BlockAllocator
 from .block_table import BlockTable
+from .parts import declared_support
 from .kv_cache import KVCache, kv_bytes_per_token, num_blocks_for_budget
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -31,8 +32,25 @@ from .sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request (vLLM's CompletionOutput): with ``SamplingParams(n=k)``, k of them."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    finished: bool
+    num_preemptions: int = 0
+
+
+@dataclass
 class RequestOutput:
-    """What a caller gets back for one request (vLLM's RequestOutput, flattened)."""
+    """What a caller gets back for one request (vLLM's RequestOutput, flattened).
+
+    ``outputs`` holds every sample (one, unless ``SamplingParams.n > 1``), in sample order.
+    ``text``, ``token_ids`` and ``finish_reason`` are sample 0's, so code written for n=1
+    keeps working; ``finished`` is True once every sample is done.
+    """
 
     request_id: str
     prompt: Any
@@ -44,6 +62,7 @@ class RequestOutput:
     error: str | None = None  # why a request was rejected
     num_preemptions: int = 0
     metrics: dict = field(default_factory=dict)  # arrival, first_token and finish times (s)
+    outputs: list = field(default_factory=list)  # CompletionOutput per sample (n), sample 0 first
 
     def __repr__(self) -> str:
         text = self.text if len(self.text) < 60 else self.text[:57] + "..."
@@ -184,6 +203,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.scale = cfg.head_dim**-0.5
         self.requests: dict[str, tuple[Sequence, SamplingParams, Any]] = {}
+        self.samples: dict[str, list[Sequence]] = {}  # request id -> its sequences, sample 0 first
+        self._request_of: dict[str, str] = {}  # seq id of sample i >= 1 -> its request id
         self._ids = itertools.count()
         self._rejected: list[Sequence] = []
         self.t0 = time.perf_counter()
@@ -238,6 +259,12 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.encode_prompt(prompt)
+        if params.n > 1 and "parallel_sampling" not in declared_support(type(self.scheduler), "schedule"):
+            raise ValueError(
+                f"SamplingParams(n={params.n}) needs a scheduler whose schedule() gives a seat to every sample, and "
+                f"{type(self.scheduler).__name__}.schedule does not declare it (supports = {{'parallel_sampling'}}): "
+                "send n separate requests instead (seeds seed, seed + 1, ...), or use minipaged's Scheduler"
+            )
         source = self.tokenizer if self.tokenizer is not None else self.model.config
         eos = tuple(getattr(source, "eos_token_ids", ()) or ())
         seq = Sequence(
@@ -250,17 +277,32 @@ class LLMEngine:
             sampling_params=params,
         )
         seq.arrival_time = time.perf_counter() - self.t0
+        # parallel sampling: samples 1..n-1 wait in seq.forks until the prompt is computed once
+        for i in range(1, params.n):
+            f = Sequence(f"{request_id}#{i}", token_ids, max_tokens=params.max_tokens, eos_token_ids=eos,
+                         stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos, sampling_params=params)
+            f.arrival_time = seq.arrival_time
+            seq.forks.append(f)
+        samples = [seq] + list(seq.forks)
         self.requests[request_id] = (seq, params, prompt)
+        self.samples[request_id] = samples
+        for f in samples[1:]:
+            self._request_of[f.seq_id] = request_id
         if not self.scheduler.add_request(seq):
             seq.finish_time = seq.arrival_time
+            for f in samples[1:]:
+                f.status, f.finish_reason, f.reject_reason, f.finish_time = seq.status, seq.finish_reason, seq.reject_reason, seq.finish_time
+            seq.forks = []
             self._rejected.append(seq)
         else:
-            self.sampler.add(request_id, params)
+            for i, f in enumerate(samples):  # sample i draws from seed + i: reproducible alone or in a batch
+                self.sampler.add(f.seq_id, params if params.seed is None or i == 0 else replace(params, seed=params.seed + i))
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort(str(request_id))
-        self.sampler.remove(str(request_id))
+        for seq in self.samples.get(str(request_id), []):
+            self.scheduler.abort(seq.seq_id)
+            self.sampler.remove(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._rejected)
@@ -279,7 +321,7 @@ class LLMEngine:
                     f"{len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} running, "
                     f"{self.allocator.num_free_blocks} free blocks. A scheduler must make progress every step."
                 )
-            return [self._output(s) for s in changed]
+            return self._outputs(changed)
         if getattr(out, "blocks_to_copy", None):
             from .prefix_cache import copy_blocks
 
@@ -290,8 +332,12 @@ class LLMEngine:
         sampled: dict = {}
         if sampling:
             logits = self.model.compute_logits(hidden[rows])
-            tokens = self.sampler(logits, [s.seq_id for s in sampling], [s.sampling_params for s in sampling])
-            sampled = {s.seq_id: t for s, t in zip(sampling, tokens)}
+            # a prompt computed for n samples: its one row of logits gives every sample's first token
+            who = [(i, q) for i, s in enumerate(sampling) for q in [s] + list(s.forks)]
+            rows_of = torch.tensor([i for i, _ in who], device=logits.device)
+            tokens = self.sampler(logits[rows_of], [q.seq_id for _, q in who], [q.sampling_params for _, q in who])
+            sampled = {q.seq_id: t for (_, q), t in zip(who, tokens)}
+            sampling = [q for _, q in who]
         now = time.perf_counter() - self.t0
         self.scheduler.update(out, sampled)
         for seq in sampling:
@@ -305,7 +351,14 @@ class LLMEngine:
         self.num_steps += 1
         if self.trace is not None:
             self.trace.record(self.scheduler, out, now)
-        return [self._output(s) for s in changed + sampling]
+        return self._outputs(changed + sampling)
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """One output per request that changed, in the order its first sequence comes."""
+        seen: dict[str, None] = {}
+        for s in seqs:
+            seen.setdefault(self._request_of.get(s.seq_id, s.seq_id), None)
+        return [self._output(self.requests[rid][0]) for rid in seen]
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         if self.tokenizer is None:
@@ -313,26 +366,37 @@ class LLMEngine:
         text = self.tokenizer.decode(seq.output_token_ids)
         return any(s in text for s in seq.sampling_params.stop)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
         text = ""
         if self.tokenizer is not None and seq.output_token_ids:
             text = self.tokenizer.decode(seq.output_token_ids)
             for s in seq.sampling_params.stop if seq.sampling_params else ():
                 if s in text:
                     text = text[: text.index(s)]
-        _, _, prompt = self.requests[seq.seq_id]
         reason = seq.finish_reason.value if seq.finish_reason is not None and seq.is_finished else None
+        return CompletionOutput(index, text, list(seq.output_token_ids), reason, seq.is_finished, seq.num_preemptions)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        rid = seq.seq_id
+        _, _, prompt = self.requests[rid]
+        samples = self.samples.get(rid, [seq])
+        outs = [self._completion(i, q) for i, q in enumerate(samples)]
+        first = [q.first_token_time for q in samples if q.first_token_time is not None]
+        ends = [q.finish_time for q in samples if q.finish_time is not None]
+        done = all(o.finished for o in outs)
         return RequestOutput(
-            request_id=seq.seq_id,
+            request_id=rid,
             prompt=prompt,
             prompt_token_ids=list(seq.prompt_token_ids),
-            text=text,
-            token_ids=list(seq.output_token_ids),
-            finish_reason=reason,
-            finished=seq.is_finished,
+            text=outs[0].text,
+            token_ids=outs[0].token_ids,
+            finish_reason=outs[0].finish_reason if done else None,
+            finished=done,
             error=seq.reject_reason,
-            num_preemptions=seq.num_preemptions,
-            metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time, "finish_time": seq.finish_time},
+            num_preemptions=sum(q.num_preemptions for q in samples),
+            metrics={"arrival_time": seq.arrival_time, "first_token_time": min(first) if first else None,
+                     "finish_time": max(ends) if done and ends else None},
+            outputs=outs,
         )
 
     def run(self, progress: bool = False, desc: str = "generating") -> dict[str, RequestOutput]:
@@ -356,14 +420,15 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """What the engine did so far, in numbers a person can read."""
-        seqs = [s for s, _, _ in self.requests.values()]
+        seqs = [q for rid in self.requests for q in self.samples.get(rid, [self.requests[rid][0]])]
         gen = sum(len(s.output_token_ids) for s in seqs)
         wall = max((s.finish_time or 0.0) for s in seqs) - min((s.arrival_time or 0.0) for s in seqs) if seqs else 0.0
         info = {
-            "requests": len(seqs),
-            "rejected": sum(s.status is SequenceStatus.REJECTED for s in seqs),
+            "requests": len(self.requests),
+            "sequences": len(seqs),
+            "rejected": sum(s.status is SequenceStatus.REJECTED for s, _, _ in self.requests.values()),
             "generated_tokens": gen,
-            "prompt_tokens": sum(s.num_prompt_tokens for s in seqs),
+            "prompt_tokens": sum(s.num_prompt_tokens for s, _, _ in self.requests.values()),
             "seconds": wall,
             "output_tokens_per_s": gen / wall if wall > 0 else 0.0,
             "steps": self.num_steps,

@@ -22,6 +22,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings: the text is cut before them
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # benchmarks set it, so every system generates exactly max_tokens
+    # n > 1: n samples of one prompt, computed once and sharing its KV blocks (copy-on-write).
+    # With a seed, sample i draws from seed + i: it equals a single request with that seed.
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,6 +37,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= 0 (0 or -1 keeps every token), got {self.top_k!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be an int >= 1, got {self.n!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
 

@@ -60,7 +60,7 @@ class Scheduler:
       shared block gets its own copy first (copy-on-write, in ``blocks_to_copy``).
     """
 
-    supports = frozenset({"chunked_prefill_off", "prefix_caching"})
+    supports = frozenset({"chunked_prefill_off", "prefix_caching", "parallel_sampling"})
 
     def __init__(
         self,
@@ -101,6 +101,8 @@ class Scheduler:
             seq.status = SequenceStatus.REJECTED
             seq.finish_reason = FinishReason.REJECTED
             seq.reject_reason = reason
+            for f in seq.forks:  # parallel sampling: its samples go with it
+                f.status, f.finish_reason, f.reject_reason = seq.status, seq.finish_reason, reason
             return False
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
@@ -117,6 +119,9 @@ class Scheduler:
                 f"the prompt has {seq.num_prompt_tokens} tokens but the model's context is {self.max_model_len}: "
                 "shorten the prompt"
             )
+        if 1 + len(seq.forks) > self.max_num_seqs:
+            return (f"asks for {1 + len(seq.forks)} samples (n) but max_num_seqs={self.max_num_seqs} sequences run at "
+                    "once: lower n or raise max_num_seqs")
         total = seq.max_total_tokens
         if self.max_model_len is not None:
             total = min(total, self.max_model_len)
@@ -168,8 +173,12 @@ class Scheduler:
 
         # 2. Admit waiting sequences in arrival order (not in a step that had to preempt:
         #    memory is short, and admitting now would only preempt again).
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # a running prompt's samples not forked yet (parallel sampling) will need seats too
+        seats = len(self.running) + sum(len(s.forks) for s in self.running)
+        while not out.preempted and self.waiting and budget > 0 and seats < self.max_num_seqs:
             seq = self.waiting[0]
+            if seats + 1 + len(seq.forks) > self.max_num_seqs:
+                break
             table = self.block_table_cls(self.allocator)
             hit = self.allocator.match_prefix(seq.token_ids) if self.prefix_caching else []
             num_cached = len(hit) * self.allocator.block_size
@@ -195,6 +204,7 @@ class Scheduler:
             seq.block_table = table
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            seats += 1 + len(seq.forks)
             out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
 
@@ -220,6 +230,8 @@ class Scheduler:
                 continue
             if seq.seq_id not in sampled:
                 raise KeyError(f"no sampled token for sequence {seq.seq_id!r}, which finished its prefill this step")
+            if seq.forks:
+                self._fork(seq, sampled)
             seq.append_token(sampled[seq.seq_id])
             if seq.finish_reason is None and self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = FinishReason.LENGTH
@@ -229,6 +241,27 @@ class Scheduler:
         return finished
 
     # -- state changes ---------------------------------------------------------------------
+    def _fork(self, seq: Sequence, sampled: dict) -> None:
+        """Parallel sampling: ``seq``'s prompt is computed; each pending sample gets a table that
+        shares all its blocks (a write into a shared block is copied first), and its own token."""
+        from .parts import fork_table
+
+        forks, seq.forks = seq.forks, []
+        for f in forks:
+            if f.is_finished:
+                continue  # aborted meanwhile
+            if f.seq_id not in sampled:
+                raise KeyError(f"no sampled token for sample {f.seq_id!r} of {seq.seq_id!r}")
+            f.block_table = fork_table(seq.block_table)
+            f.num_computed_tokens = seq.num_computed_tokens
+            f.status = SequenceStatus.RUNNING
+            self.running.append(f)
+            f.append_token(sampled[f.seq_id])
+            if f.finish_reason is None and self.max_model_len is not None and f.num_tokens >= self.max_model_len:
+                f.finish_reason = FinishReason.LENGTH
+            if f.finish_reason is not None:
+                self.finish(f, f.finish_reason)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         seq.block_table.free()
@@ -250,6 +283,9 @@ class Scheduler:
             seq.block_table = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        for f in seq.forks:  # samples not forked yet end with it
+            f.status, f.finish_reason = SequenceStatus.FINISHED, reason
+        seq.forks = []
 
     def abort(self, seq_id) -> Sequence | None:
         for seq in list(self.running) + list(self.waiting):

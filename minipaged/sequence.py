@@ -53,6 +53,9 @@ class Sequence:
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrival))
     block_table: "BlockTable | None" = None
+    # parallel sampling: samples 1..n-1 of this request, forked from it (sharing its blocks)
+    # when its prompt is computed and its first token sampled; empty once forked
+    forks: list = field(default_factory=list)
     # timing, filled by the engine (seconds since the engine started)
     arrival_time: float | None = None
     first_token_time: float | None = None
