@@ -100,7 +100,7 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         if hasattr(self, "sched"):
-            self.sched.check_invariants()
+            parts.check_scheduler(self.sched, self.sched.max_num_seqs)
 
     def teardown(self):
         if not hasattr(self, "sched"):
@@ -110,7 +110,7 @@ class EngineMachine(RuleBasedStateMachine):
                 break
             self.step()
         assert not self.sched.has_unfinished()
-        self.sched.check_invariants()
+        parts.check_scheduler(self.sched, self.sched.max_num_seqs)
         assert self.cache.num_free_blocks == self.cache.num_blocks, "a block leaked"
         assert all(q.is_finished and q.block_table is None for seq in self.all for q in [seq] + seq.forks)
         assert all(self.cache.ref_count(b) == 0 for b in range(self.cache.num_blocks))
@@ -138,7 +138,7 @@ def test_a_shared_prefix_is_computed_once():
     assert second.block_table.blocks[:2] == first.block_table.blocks[:2]
     assert [cache.ref_count(b) for b in first.block_table.blocks[:2]] == [2, 2]
     sched.update(out, model.step(out))
-    sched.check_invariants()
+    parts.check_scheduler(sched)
     assert sched.prefix_stats.hit_tokens == 8 and sched.prefix_stats.queried_tokens == 21
 
 
@@ -215,7 +215,7 @@ def _serve(model, tok, prompts, **kw):
     eng.step()
     ids = [first] + [eng.add_request({"prompt_token_ids": p}, params) for p in prompts[1:]]
     done = eng.run()
-    eng.scheduler.check_invariants()
+    parts.check_scheduler(eng.scheduler)
     assert eng.allocator.num_free_blocks == eng.allocator.num_blocks, "blocks leaked after every request finished"
     return [done[i].token_ids for i in ids], eng
 
@@ -248,3 +248,96 @@ def test_greedy_same_with_cache_on_and_off_and_equals_transformers(smollm2, shar
     if kw.get("num_blocks") == 10:
         assert eng_on.scheduler.num_preemptions > 0 and eng_off.scheduler.num_preemptions > 0, "meant to preempt"
         assert max(s.prefill_tokens + s.decode_tokens for s in eng_on.trace.steps) <= 48
+
+
+# -- parallel sampling on a tiny random model ------------------------------------------------------
+def _tiny_prompt(tok):
+    return tok.encode("the cat sat on the mat and then the dog") or [5, 6, 7]
+
+
+def _run(model, tok, reqs, **kw):
+    eng = LLMEngine(model, tok, **kw)
+    ids = [eng.add_request({"prompt_token_ids": p}, sp) for p, sp in reqs]
+    done = eng.run()
+    parts.check_scheduler(eng.scheduler)
+    assert eng.allocator.num_free_blocks == eng.allocator.num_blocks, "blocks leaked"
+    return [done[i] for i in ids], eng
+
+
+def test_each_sample_equals_a_single_request_with_its_seed(tiny_model):
+    model, tok = tiny_model
+    p = _tiny_prompt(tok)
+    params = SamplingParams(n=3, max_tokens=10, temperature=0.9, seed=7, ignore_eos=True)
+    (out,), eng = _run(model, tok, [(p, params)], block_size=2, enable_prefix_caching=False)
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert out.token_ids == out.outputs[0].token_ids and out.text == out.outputs[0].text
+    assert eng.stats()["generated_tokens"] == 30
+    for i, o in enumerate(out.outputs):
+        (alone,), _ = _run(model, tok, [(p, SamplingParams(max_tokens=10, temperature=0.9, seed=7 + i, ignore_eos=True))],
+                           block_size=2)
+        assert o.token_ids == alone.token_ids, f"sample {i} differs from a single request with seed {7 + i}"
+    # and inside a busy batch, with preemption (a small pool) and the cache on
+    busy = [(p, params)] + [(_tiny_prompt(tok)[: 3 + k], SamplingParams(max_tokens=6, temperature=1.0, seed=k, ignore_eos=True))
+                            for k in range(4)]
+    outs, eng = _run(model, tok, busy, block_size=2, num_blocks=24, max_num_batched_tokens=8)
+    assert [o.token_ids for o in outs[0].outputs] == [o.token_ids for o in out.outputs]
+    assert len(outs[0].outputs) == 3 and all(len(o.outputs) == 1 for o in outs[1:])
+
+
+def test_samples_share_the_prompt_blocks(tiny_model):
+    model, tok = tiny_model
+    p = (_tiny_prompt(tok) * 4)[:40]
+    kw = dict(block_size=4, enable_prefix_caching=False)
+    (forked,), e1 = _run(model, tok, [(p, SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True))], **kw)
+    sep, e2 = _run(model, tok, [(p, SamplingParams(max_tokens=6, temperature=1.0, seed=1 + i, ignore_eos=True))
+                                for i in range(4)], **kw)
+    assert [o.token_ids for o in forked.outputs] == [o.token_ids for o in sep]
+    # 4 x 12 blocks apart; forked: 10 full prompt blocks once + each sample's own last block(s)
+    assert e1.trace.peak_blocks_used < e2.trace.peak_blocks_used / 2
+    assert sum(s.prefill_tokens for s in e1.trace.steps) == len(p), "the prompt is computed once"
+
+
+def test_greedy_samples_through_preemption_equal_one_greedy_request(tiny_model):
+    model, tok = tiny_model
+    p = _tiny_prompt(tok)
+    (single,), _ = _run(model, tok, [(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))], block_size=2)
+    one = parts.cdiv(len(p) + 11, 2)  # blocks one sample needs at its longest: 3 samples cannot all fit
+    (out,), eng = _run(model, tok, [(p, SamplingParams(n=3, max_tokens=12, temperature=0, ignore_eos=True))],
+                       block_size=2, num_blocks=one + 2, max_num_batched_tokens=6)
+    assert eng.stats()["preemptions"] > 0, "the small pool was meant to preempt samples"
+    assert all(o.token_ids == single.token_ids for o in out.outputs)
+
+
+def test_abort_and_bad_n(tiny_model):
+    model, tok = tiny_model
+    p = _tiny_prompt(tok)
+    eng = LLMEngine(model, tok, block_size=2, max_num_seqs=4)
+    before = eng.add_request({"prompt_token_ids": p}, SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=0))
+    after = eng.add_request({"prompt_token_ids": p[:4]}, SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=0))
+    assert eng.abort_request(before)  # before its prompt ran: the samples never fork
+    eng.step()
+    eng.step()
+    assert eng.abort_request(after)  # after the fork: both samples end
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs[after].finished and [o.finish_reason for o in outs[after].outputs] == ["abort", "abort"]
+    assert not eng.has_unfinished_requests()
+    parts.check_scheduler(eng.scheduler)
+    assert eng.allocator.num_free_blocks == eng.allocator.num_blocks
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="n .samples"):
+            SamplingParams(n=bad)
+    rid = eng.add_request({"prompt_token_ids": p}, SamplingParams(n=5))
+    (rej,) = eng.step()
+    assert rej.request_id == rid and rej.finish_reason == "rejected" and "max_num_seqs=4" in rej.error
+    assert len(rej.outputs) == 5 and all(o.finish_reason == "rejected" for o in rej.outputs)
+
+    class LearnerScheduler(Scheduler):
+        def schedule(self):
+            return super().schedule()
+
+    eng2 = LLMEngine(model, tok, scheduler_cls=LearnerScheduler)
+    assert eng2.prefix_cache is None and eng2.config.enable_prefix_caching is False
+    with pytest.raises(ValueError, match="parallel_sampling"):
+        eng2.add_request({"prompt_token_ids": p}, SamplingParams(n=2))
+    with pytest.raises(ValueError, match="prefix_caching"):
+        LLMEngine(model, tok, scheduler_cls=LearnerScheduler, enable_prefix_caching=True)
