@@ -174,16 +174,6 @@ class PrefixCache:
             raise BlockAllocatorError(f"cannot share block {block_id}: it is free (ref count 0); allocate it first")
         self.pool.incref(block_id)
 
-    # -- until every block table uses parts.allocate_many / parts.num_used_blocks ----------
-    def allocate_many(self, n: int) -> list[int]:
-        from .parts import allocate_many
-
-        return allocate_many(self, n)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
     # -- caching ---------------------------------------------------------------------------
     def hash_block(self, parent: bytes, token_ids: Sequence[int]) -> bytes:
         return hash_block(parent, token_ids)
@@ -239,7 +229,7 @@ class PrefixCache:
         for b in self._hash_of:
             if self.ref_count(b) == 0:
                 assert b in self._evictable, f"cached block {b} at ref count 0 is not evictable (it leaked)"
-        inner_check = getattr(self.pool, "_check_internal", None) or getattr(self.pool, "check_invariants", None)
+        inner_check = getattr(self.pool, "_check_internal", None)
         if inner_check is not None:
             inner_check()
 

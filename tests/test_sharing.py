@@ -341,3 +341,22 @@ def test_abort_and_bad_n(tiny_model):
         eng2.add_request({"prompt_token_ids": p}, SamplingParams(n=2))
     with pytest.raises(ValueError, match="prefix_caching"):
         LLMEngine(model, tok, scheduler_cls=LearnerScheduler, enable_prefix_caching=True)
+
+
+def test_trace_records_hit_rate_cached_blocks_and_evictions(tiny_model):
+    model, tok = tiny_model
+    p = _tiny_prompt(tok) * 2
+    eng = LLMEngine(model, tok, block_size=2, num_blocks=parts.cdiv(len(p) + 4, 2) + 1)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for prompt in (p, p, [9] + p[1:]):  # the same prompt twice, then one that evicts
+        eng.add_request({"prompt_token_ids": prompt}, params)
+        eng.run()
+    last = eng.trace.steps[-1]
+    assert last.hit_tokens > 0 and last.queried_tokens == 3 * len(p) and 0 < last.hit_rate < 1
+    assert last.cached_blocks == eng.prefix_cache.num_cached_blocks and last.evictions > 0
+    assert eng.trace.summary()["prefix_hit_rate"] == last.hit_rate
+    assert eng.trace.to_dict()["steps"][-1]["evictions"] == last.evictions
+    off = LLMEngine(model, tok, block_size=2, enable_prefix_caching=False)
+    off.add_request({"prompt_token_ids": p}, params)
+    off.run()
+    assert off.trace.steps[-1].hit_rate is None
