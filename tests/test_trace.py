@@ -7,7 +7,8 @@ from collections import defaultdict
 import pytest
 
 from minipaged import BlockAllocator, Scheduler, Sequence
-from minipaged.trace import Trace, sample_requests, simulate, simulate_static
+from minipaged.bench.simulate import sample_requests, simulate, simulate_static
+from minipaged.trace import Trace
 
 REQS = sample_requests(40, seed=3, prompt_len=(8, 64), output_median=24, output_max=400)
 
