@@ -95,18 +95,18 @@ def time_linear_layers(weights: list[torch.Tensor], batch: int, repeats: int = 3
 
 
 def measured_knee(batches: list[int], seconds: list[float]) -> float | None:
-    """Where the flat (memory-bound) part of time-vs-batch meets its linear (compute-bound) part.
+    """Where the flat (memory-bound) part of time-vs-batch meets its compute-bound growth.
 
-    The roofline's construction applied to data: the floor is the time at the smallest batch; the
-    slope is fitted through the origin on the largest half of the batches. None if the time never
-    leaves the floor (the largest batch measured is still memory-bound).
+    The roofline's construction applied to data: the floor is the time at the smallest batch, the
+    compute slope is the marginal cost per sequence between the two largest batches, and the knee
+    is the batch where that slope alone costs the floor. None while the largest batch has not yet
+    doubled the floor's time (still memory-bound within the batches measured).
     """
     floor = seconds[0]
-    tail = list(zip(batches, seconds))[len(batches) // 2:]
-    slope = sum(b * t for b, t in tail) / sum(b * b for b, _ in tail)
-    if slope * batches[-1] <= floor:
+    if len(batches) < 2 or seconds[-1] < 2 * floor:
         return None
-    return floor / slope
+    slope = (seconds[-1] - seconds[-2]) / (batches[-1] - batches[-2])
+    return floor / slope if slope > 0 else None
 
 
 def roofline(model: torch.nn.Module, batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128),
