@@ -117,9 +117,11 @@ def serve(
     batch_capacity: Any = None,
     system: str = "",
     progress: bool = False,
+    id_prefix: str = "",
 ) -> ServeResult:
     """Serve ``requests`` (greedy, EOS ignored) on ``engine``; request ``i`` gets request_id ``str(i)``.
 
+    ``id_prefix`` goes before every request_id (to serve twice on one engine).
     ``arrivals[i]``: when request ``i`` arrives, in seconds (default: all at 0, an offline batch).
     ``policy="continuous"`` hands each request to the engine when it arrives. ``policy="static"``
     hands over one batch at a time, only when the engine is empty: the arrived requests in order
@@ -143,7 +145,7 @@ def serve(
 
     def add(i: int) -> None:
         prompt, n_out = requests[i]
-        engine.add_request(list(prompt), SamplingParams(max_tokens=int(n_out), temperature=0.0, ignore_eos=True), request_id=str(i))
+        engine.add_request(list(prompt), SamplingParams(max_tokens=int(n_out), temperature=0.0, ignore_eos=True), request_id=f"{id_prefix}{i}")
         res.arrival[i] = arrivals[i]
 
     clock = 0.0
@@ -173,7 +175,7 @@ def serve(
         clock += dt
         res.busy_seconds += dt
         for o in outs:
-            i = int(o.request_id)
+            i = int(str(o.request_id)[len(id_prefix):])
             if o.finish_reason in ("rejected", "error", "abort"):
                 raise RuntimeError(f"{res.system}: request {i} ended with {o.finish_reason}: {o.error}")
             if o.token_ids and i not in res.first_token:

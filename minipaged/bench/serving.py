@@ -40,10 +40,13 @@ ATTRIBUTION = {
 # median multiplied by a scale; the quick run shortens outputs more than prompts (decode steps
 # are what cost time on a CPU) and keeps every request long enough for paged waste to stay small.
 QUICK = dict(num_requests=32, static_batch=8, prompt_scale=2.0, output_scale=0.3, max_prompt=512, max_output=96,
-             naive_requests=8, online_requests=0)
+             naive_requests=8, online_requests=0, shared_prefix=False)
 FULL = dict(num_requests=64, static_batch=16, prompt_scale=1.0, output_scale=1.0, max_prompt=512, max_output=384,
-            naive_requests=None, online_requests=24)
-RATE_FACTORS = (0.5, 1.0, 2.0, 4.0)  # online request rates, in units of naive's measured capacity
+            naive_requests=16, online_requests=16, shared_prefix=True)
+# The online sweep serves its own, shorter requests (the quick shape, another seed): a run at a low
+# rate costs about what serving them one at a time does, and the sweep runs 4 systems x 3 rates.
+ONLINE_SHAPE = dict(prompt_scale=2.0, output_scale=0.3, max_prompt=512, max_output=96)
+RATE_FACTORS = (0.5, 1.5, 4.0)  # online request rates, in units of naive's capacity on those requests
 
 
 def flops_per_token(model: torch.nn.Module, context_len: float) -> float:
@@ -196,6 +199,8 @@ def run_bench(
     rate_factors: tuple[float, ...] = RATE_FACTORS,
     block_size: int = 16,
     max_output: int | None = None,
+    prompt_scale: float | None = None,
+    output_scale: float | None = None,
     systems: tuple[str, ...] = SYSTEMS,
     model: Any = None,
     model_path: str | None = None,
@@ -203,6 +208,7 @@ def run_bench(
     chat_prompts: bool = False,
     max_num_batched_tokens: int = 1024,
     roofline_batches: tuple[int, ...] | None = None,
+    shared_prefix: bool | None = None,
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
@@ -213,11 +219,13 @@ def run_bench(
         raise ValueError(f"unknown system(s) {unknown}: choose from {', '.join(SYSTEMS)}")
     shape = dict(QUICK if quick else FULL)
     for key, val in (("num_requests", num_requests), ("static_batch", static_batch), ("max_output", max_output),
-                     ("online_requests", online_requests)):
+                     ("online_requests", online_requests), ("prompt_scale", prompt_scale), ("output_scale", output_scale)):
         if val is not None:
             shape[key] = val
     if naive_requests is not None:
         shape["naive_requests"] = naive_requests
+    if shared_prefix is not None:
+        shape["shared_prefix"] = shared_prefix
     torch.manual_seed(seed)
     t = time.perf_counter()
     tokenizer = None
@@ -315,35 +323,80 @@ def run_bench(
     if m and online_systems and "naive" in runs:
         base = runs["naive"]
         served = sorted(base.finish)
-        service = [base.finish[i] - (base.finish[served[k - 1]] if k else 0.0) for k, i in enumerate(served)]
-        per_req = float(np.mean(service))
+        prev = {i: (base.finish[served[k - 1]] if k else 0.0) for k, i in enumerate(served)}
+        per_token = sum(base.finish[i] - prev[i] for i in served) / sum(reqs[i][1] for i in served)
+        alone_ttft = float(np.median([base.first_token[i] - prev[i] for i in served]))
         tpots = [(base.finish[i] - base.first_token[i]) / (reqs[i][1] - 1) for i in served if reqs[i][1] > 1]
-        slo = {"ttft_s": 2.0 * float(np.median(service)), "tpot_s": 3.0 * float(np.median(tpots)),
-               "rule": "TTFT within 2x naive's median time to serve a whole request alone, and TPOT within 3x "
-                       "naive's median time per output token (both measured in this run)"}
+        slo = {"ttft_s": 10.0 * alone_ttft, "tpot_s": 3.0 * float(np.median(tpots)),
+               "rule": "TTFT within 10x naive's median time to first token of a request served alone, and TPOT "
+                       "within 3x naive's median time per output token (both measured in this run)"}
+        owl = synthetic(workload, m, seed + 1, vocab_size=cfg.vocab_size, real_prompts=real,
+                        max_prompt=min(ONLINE_SHAPE["max_prompt"], max_prompt), max_output=min(ONLINE_SHAPE["max_output"], max_out),
+                        prompt_scale=ONLINE_SHAPE["prompt_scale"], output_scale=ONLINE_SHAPE["output_scale"])
+        sub = [(r.prompt_token_ids, r.max_tokens) for r in owl.requests]
+        # naive's capacity on these requests, from its measured time per output token
+        per_req = per_token * float(np.mean([o for _, o in sub]))
         rates = [f / per_req for f in rate_factors]
-        sub = reqs[:m]
-        result["online"] = online_sweep(model, sub, rates, slo, online_systems, seed, progress=progress, **engine_kw)
-        result["online"]["naive_capacity_req_per_s"] = 1.0 / per_req
-        result["online"]["rate_factors"] = list(rate_factors)
-    # The shared-prefix workload (prefix caching on vs off: TTFT and KV blocks) goes here once the
-    # engine has prefix caching (issue 13): see shared_prefix() below.
-    result["shared_prefix"] = shared_prefix(model, block_size, seed)
+        okw = dict(engine_kw, reserve_tokens=max(len(p) for p, _ in sub) + max(o for _, o in sub))  # same blocks
+        result["online"] = online_sweep(model, sub, rates, slo, online_systems, seed, progress=progress, **okw)
+        result["online"].update(naive_capacity_req_per_s=1.0 / per_req, rate_factors=list(rate_factors),
+                                workload=owl.summary())
+    # The shared-prefix workload: prefix caching off vs on (TTFT, KV blocks), once the engine has it.
+    result["shared_prefix"] = measure_shared_prefix(model, block_size, seed, attention=attention) if shape["shared_prefix"] else {
+        "measured": False, "why": "not part of this run (the full bench measures it)"}
     result["_runs"] = runs
     return result
 
 
-def shared_prefix(model: Any, block_size: int, seed: int) -> dict:
-    """Requests that share a long system prompt, with prefix caching on and off (TTFT, KV blocks).
+def shared_prefix_requests(num_requests: int, system_len: int, user_len: tuple[int, int], max_tokens: int,
+                           vocab_size: int, seed: int = 0) -> list:
+    """Requests that all start with the same ``system_len``-token system prompt, then their own question."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(100, vocab_size - 100, system_len).tolist()
+    lo, hi = user_len
+    return [(system + rng.integers(100, vocab_size - 100, int(rng.integers(lo, hi + 1))).tolist(), max_tokens)
+            for _ in range(num_requests)]
 
-    Measured only when the engine has an ``enable_prefix_caching`` setting; until then the JSON
-    says so, and the README block leaves the row out.
+
+def measure_shared_prefix(model: Any, block_size: int, seed: int, num_requests: int = 12, system_len: int = 256,
+                  user_len: tuple[int, int] = (16, 48), max_tokens: int = 16, settings: tuple | None = None,
+                  attention: Any = "auto") -> dict:
+    """Requests sharing a long system prompt, served with prefix caching off and on: TTFT and KV blocks.
+
+    One request runs first (it fills the cache, when there is one), then the others arrive
+    together, through the same driver as every other system. Measured when the engine has an
+    ``enable_prefix_caching`` setting (issue 13); until then the JSON says why not. ``settings``
+    (two dicts of engine settings, off then on) replaces the default pair, for tests.
     """
     from ..config import CONFIG_FIELDS
+    from .baselines import build_engine, serve
 
-    if "enable_prefix_caching" not in CONFIG_FIELDS:
-        return {"measured": False, "why": "this engine has no prefix caching (EngineConfig.enable_prefix_caching)"}
-    return {"measured": False, "why": "prefix caching exists, but the shared-prefix measurement is not wired yet"}
+    if settings is None:
+        if "enable_prefix_caching" not in CONFIG_FIELDS:
+            return {"measured": False, "why": "this engine has no prefix caching (no EngineConfig.enable_prefix_caching)"}
+        settings = ({"enable_prefix_caching": False}, {"enable_prefix_caching": True})
+    cfg = model.config
+    system_len = min(system_len, cfg.max_position_embeddings - user_len[1] - max_tokens)
+    reqs = shared_prefix_requests(num_requests, system_len, user_len, max_tokens, cfg.vocab_size, seed)
+    num_blocks = num_requests * parts.cdiv(system_len + user_len[1] + max_tokens, block_size)
+    out = {"measured": True, "num_requests": num_requests, "system_prompt_tokens": system_len, "max_tokens": max_tokens}
+    outputs = {}
+    for label, extra in zip(("off", "on"), settings):
+        from ..engine import LLMEngine
+
+        eng = LLMEngine(model, None, attention=attention, block_size=block_size, num_blocks=num_blocks,
+                        max_num_seqs=num_requests, **extra)
+        serve(eng, reqs[:1], id_prefix="warm")  # the first request fills the cache (when there is one)
+        res = serve(eng, reqs[1:], id_prefix="r")  # then the rest, all at once
+        ids = list(range(num_requests - 1))
+        d = latency_summary(res, reqs[1:], ids)
+        d["peak_blocks_used"] = res.trace.peak_blocks_used
+        d["settings"] = dict(extra)
+        out[label] = d
+        outputs[label] = res.outputs
+    out["greedy_tokens_equal"] = outputs["off"] == outputs["on"]
+    out["ttft_p50_ratio_off_over_on"] = out["off"]["ttft_p50_s"] / out["on"]["ttft_p50_s"]
+    return out
 
 
 def format_table(result: dict) -> str:
@@ -381,7 +434,8 @@ def format_online(result: dict) -> str:
                          f"{d['ttft_p99_s']:.2f}s", f"{d['tpot_p50_s']:.3f}s", f"{d['tpot_p99_s']:.3f}s",
                          f"{d['goodput_req_per_s']:.3f}"))
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [f"online: {on['num_requests']} requests, Poisson arrivals; SLO TTFT <= {slo['ttft_s']:.2f}s and "
+    lines = [f"online: {on['num_requests']} requests ({on['workload']['description'] if on.get('workload') else ''}), "
+             f"Poisson arrivals at {', '.join(f'{x:g}' for x in on.get('rate_factors', []))}x naive's capacity; SLO TTFT <= {slo['ttft_s']:.2f}s and "
              f"TPOT <= {slo['tpot_s']:.3f}s ({slo['rule']}); goodput = requests/s meeting both"]
     lines += ["  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
     lines.insert(2, "  ".join("-" * x for x in w))
@@ -441,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--static-batch", type=int, help="contiguous reservations the KV budget holds (sets the budget every system gets)")
     ap.add_argument("--naive-requests", type=int, help="serve only this many requests naively and extrapolate its latency (labelled)")
     ap.add_argument("--online-requests", type=int, help="requests in the online sweep (0: no sweep)")
-    ap.add_argument("--rates", default=None, help="online rates as multiples of naive's capacity, comma-separated (default 0.5,1,2,4)")
+    ap.add_argument("--rates", default=None, help="online rates as multiples of naive's capacity, comma-separated (default 0.5,1.5,4)")
     ap.add_argument("--max-output", type=int)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
@@ -450,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--plots", type=Path, help="write PNG plots into this folder")
+    ap.add_argument("--no-shared-prefix", action="store_true", help="skip the shared-system-prompt workload (prefix caching off vs on)")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     rates = RATE_FACTORS
@@ -457,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rates = tuple(float(x) for x in a.rates.split(",") if x.strip())
         except ValueError:
-            ap.error(f"--rates takes numbers separated by commas, e.g. 0.5,1,2,4; got {a.rates!r}")
+            ap.error(f"--rates takes numbers separated by commas, e.g. 0.5,1.5,4; got {a.rates!r}")
         if not rates or min(rates) <= 0:
             ap.error(f"--rates must be positive multiples of naive's capacity, got {a.rates!r}")
     systems = tuple(s.strip() for s in a.systems.split(",") if s.strip())
@@ -470,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         naive_requests=a.naive_requests, online_requests=a.online_requests, rate_factors=rates,
         block_size=a.block_size, max_output=a.max_output, systems=systems, model_path=a.model,
         attention=a.attention, chat_prompts=a.chat_prompts, seed=a.seed, progress=not a.no_progress,
+        shared_prefix=False if a.no_shared_prefix else None,
     )
     res["bench_seconds"] = time.perf_counter() - t0
     res["command"] = " ".join(["minipaged bench", *(argv if argv is not None else sys.argv[1:])])
