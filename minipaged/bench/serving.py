@@ -46,9 +46,9 @@ QUICK = dict(num_requests=32, static_batch=16, prompt_scale=1.0, output_scale=1.
 FULL = dict(num_requests=64, static_batch=16, prompt_scale=1.0, output_scale=1.0, max_prompt=512, max_output=384,
             naive_requests=16, online_requests=16, shared_prefix=True,
             systems=("naive", "static_contiguous", "static_paged", "continuous_contiguous", "continuous_paged", "hf"))
-# The online sweep serves its own, shorter requests (the quick shape, another seed): a run at a low
+# The online sweep serves its own, shorter requests (medians 48 and 29 tokens, another seed): a run at a low
 # rate costs about what serving them one at a time does, and the sweep runs 4 systems x 3 rates.
-ONLINE_SHAPE = dict(prompt_scale=2.0, output_scale=0.3, max_prompt=512, max_output=96)
+ONLINE_SHAPE = dict(prompt_scale=0.5, output_scale=0.3, max_prompt=512, max_output=96)
 RATE_FACTORS = (0.5, 1.5, 4.0)  # online request rates, in units of naive's capacity on those requests
 
 
