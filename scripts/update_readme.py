@@ -94,8 +94,8 @@ def bench_block() -> str:
                      f"{tok['reference']} on every request compared." if not bad else
                      "; ".join(f"{k} matched {tok['reference']} on {v['equal']} of {v['compared']} requests" for k, v in bad.items()) + "."))
     if "continuous_paged" in S and "static_contiguous" in S:
-        lines.append(f"- KV waste: paged **{S['continuous_paged']['kv_waste'] * 100:.1f}%** (continuous) and "
-                     f"{S.get('static_paged', {}).get('kv_waste', 0) * 100:.1f}% (static) vs contiguous max-length reservation "
+        sp_w = f" and {S['static_paged']['kv_waste'] * 100:.1f}% (static)" if "static_paged" in S else ""
+        lines.append(f"- KV waste: paged **{S['continuous_paged']['kv_waste'] * 100:.1f}%** (continuous){sp_w} vs contiguous max-length reservation "
                      f"**{S['static_contiguous']['kv_waste'] * 100:.1f}%**; the same memory held "
                      f"**{r.get('concurrency_ratio', 0):.1f}x** as many sequences at once.")
     if "naive" in S:
@@ -118,7 +118,22 @@ def bench_block() -> str:
     sp = r.get("shared_prefix")
     if sp and sp.get("measured"):
         lines += ["", "Shared system prompt, prefix caching on vs off:", "", "```", json.dumps(sp, indent=1), "```"]
+    pictures = [(name, alt) for name, alt in FIGURES if (ROOT / "docs" / "figures" / name).exists()]
+    if pictures:
+        lines.append("")
+        lines += [f"![{alt}](docs/figures/{name})" for name, alt in pictures]
     return "\n".join(lines)
+
+
+# The bench's pictures, in the order the README shows them (those the last run wrote).
+FIGURES = [
+    ("attribution.png", "what paging and refilling each buy"),
+    ("online.png", "online arrivals: throughput, TTFT and goodput against the request rate"),
+    ("roofline.png", "the decode roofline of this machine"),
+    ("throughput.png", "throughput"),
+    ("timeline.png", "who holds each batch slot"),
+    ("kv_usage.png", "KV reserved vs used"),
+]
 
 
 BLOCKS = {"badges": badges_block, "timings": timings_block, "bench": bench_block}
