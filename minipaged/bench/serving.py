@@ -41,7 +41,7 @@ ATTRIBUTION = {
 # (long enough that paged waste stays near 4% at block size 16) and serves 32 requests; it runs
 # naive and the two corner systems (static_contiguous, continuous_paged), the full run all six.
 QUICK = dict(num_requests=32, static_batch=16, prompt_scale=1.0, output_scale=1.0, max_prompt=512, max_output=192,
-             naive_requests=6, online_requests=0, shared_prefix=False,
+             naive_requests=4, online_requests=0, shared_prefix=False,
              systems=("naive", "static_contiguous", "continuous_paged"))
 FULL = dict(num_requests=64, static_batch=16, prompt_scale=1.0, output_scale=1.0, max_prompt=512, max_output=384,
             naive_requests=16, online_requests=16, shared_prefix=True,
