@@ -86,7 +86,6 @@ class Trace:
         self._next_slot = 0
         self._open: dict[Any, dict] = {}
         self._closed: list[dict] = []
-        self._outputs_seen: dict[Any, int] = {}
 
     # -- recording -------------------------------------------------------------------------
     def record(self, scheduler: Any, output: "SchedulerOutput", time: float) -> StepRecord:
@@ -120,16 +119,7 @@ class Trace:
                 prefill += s.num_new_tokens
             else:
                 decode += 1
-            if "samples" in getattr(type(s), "__dataclass_fields__", {}):
-                sampled += bool(s.samples)  # a field, decided when the step was scheduled
-            else:
-                # An older ScheduledSeq computes ``samples`` from the sequence as it is now (after
-                # update() appended the token), so count the outputs that appeared instead.
-                n_out = len(seq.output_token_ids)
-                sampled += n_out - self._outputs_seen.get(seq.seq_id, 0)
-                self._outputs_seen[seq.seq_id] = n_out
-                if seq.is_finished:
-                    self._outputs_seen.pop(seq.seq_id, None)
+            sampled += bool(s.samples)  # decided when the step was scheduled
         for seq in scheduler.running:
             active.setdefault(seq.seq_id, seq)
 
@@ -265,15 +255,9 @@ class Trace:
 
 
 def is_prefill(s: Any) -> bool:
-    """Whether a scheduled record computes prompt (or recomputed) tokens rather than one decode token.
-
-    Read from the scheduler's ``ScheduledSeq.is_prefill``; a scheduler whose records predate that
-    field is answered from ``start`` and ``num_new_tokens`` (a decode feeds back one sampled token).
-    """
-    flag = getattr(s, "is_prefill", None)
-    if flag is not None:
-        return bool(flag)
-    return not (s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens)
+    """Whether a scheduled record computes prompt (or recomputed) tokens rather than one decode
+    token: the scheduler's ``ScheduledSeq.is_prefill``, read, never recomputed."""
+    return bool(s.is_prefill)
 
 
 _MOVED = {"sample_requests", "simulate", "simulate_static", "StepTime"}

@@ -6,7 +6,6 @@ are step units or a given ``step_time``; the measured systems are in ``minipaged
 """
 from __future__ import annotations
 
-import inspect
 import math
 import random
 from typing import Any, Callable, Sequence as Seq
@@ -21,19 +20,9 @@ from ..trace import StepRecord, Trace, is_prefill
 
 
 def make_scheduler(scheduler_cls: type, allocator: Any, block_table_cls: type, config: EngineConfig) -> Any:
-    """``scheduler_cls(allocator, block_table_cls, config)``, the contract in minipaged.interfaces.
-
-    A scheduler whose constructor still takes the settings one by one (``max_num_seqs=...``) is
-    built from the same config, so a simulation and the engine always agree on the knobs.
-    """
-    params = inspect.signature(scheduler_cls).parameters
-    if "config" in params:
-        return scheduler_cls(allocator, block_table_cls, config)
-    kw = {k: getattr(config, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill")
-          if k in params}
-    return scheduler_cls(allocator, block_table_cls=block_table_cls, **kw)
-
-StepTime = Callable[[int, int], float]  # (prefill tokens, decode tokens) -> seconds of the step
+    """``scheduler_cls(allocator, block_table_cls, config)``: the constructor the contract fixes
+    (minipaged.interfaces), so a simulation and the engine build a scheduler the same way."""
+    return scheduler_cls(allocator, block_table_cls, config)
 
 
 def sample_requests(
