@@ -158,19 +158,27 @@ def format_shared_prefix(r: dict) -> str:
     return head + "\n" + "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="the shared-prefix workload, prefix cache on and off")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--json", help="also write the figures to this file")
-    a = p.parse_args(argv)
+
+
+def run(a: argparse.Namespace, p: argparse.ArgumentParser | None = None) -> int:
+    p = p or getattr(a, "_parser", None) or argparse.ArgumentParser()
     r = bench_shared_prefix(num_requests=a.requests, max_tokens=a.max_tokens, block_size=a.block_size)
     print(format_shared_prefix(r))
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(r, f, indent=2)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="the shared-prefix workload, prefix cache on and off")
+    add_arguments(p)
+    return run(p.parse_args(argv), p)
 
 
 if __name__ == "__main__":
