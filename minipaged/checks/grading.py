@@ -476,9 +476,8 @@ def _clock(s: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="minipaged grade", description="Grade workbooks in a sandbox with the exercises' own checks.",
-                                epilog="Results are appended to the CSV and JSON-lines files after each submission.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``minipaged grade`` (the CLI's parser, or main's own)."""
     p.add_argument("paths", nargs="+", metavar="PATH", help="a workbook .ipynb, or a folder of submissions")
     p.add_argument("--csv", metavar="FILE", default="grades.csv", help="the scoreboard as CSV (default grades.csv)")
     p.add_argument("--jsonl", metavar="FILE", help="the scoreboard as JSON lines (default: the CSV's name with .jsonl)")
@@ -490,7 +489,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", type=float, default=4, metavar="GIB", help="address-space limit per workbook (default 4 GiB)")
     p.add_argument("--exercises", metavar="DIR", help="the course's pristine exercises/ folder (default: the one beside the package)")
     p.add_argument("--no-sandbox", action="store_true", help="do not use bwrap even where it is installed (resource limits only)")
+    p.epilog = "Results are appended to the CSV and JSON-lines files after each submission."
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="minipaged grade", description="Grade workbooks in a sandbox with the exercises' own checks.")
+    add_arguments(p)
     args = p.parse_args(argv)
+    args._parser = p
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Grade what ``args`` names (see add_arguments); the exit status of ``minipaged grade``."""
+    p = getattr(args, "_parser", None) or argparse.ArgumentParser(prog="minipaged grade")
     if args.resume and args.overwrite:
         p.error("--resume and --overwrite contradict each other: choose one")
     if args.jobs < 1:
