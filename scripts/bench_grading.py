@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""How long `minipaged grade` takes for a class: N learners x the 7 workbooks.
+"""How long `minipaged grade` takes for a class: N learners x the course's workbooks.
 
 Builds a class folder of copies of solutions/ (two learners in three) and exercises/ (the
 others, unsolved), grades it with `minipaged grade --jobs J`, and prints the wall-clock time,
 the mean time per workbook, and whether the grades came out as built (solved: every check
 passes; unsolved: none does).
 
-    python scripts/bench_grading.py                       # 30 learners, --jobs = cores, bwrap if present
+    python scripts/bench_grading.py                       # 30 learners x all workbooks, --jobs = cores, bwrap if present
+    python scripts/bench_grading.py --workbooks 7         # 30 learners x workbooks 01-07
     python scripts/bench_grading.py --learners 5 --jobs 2 --no-sandbox
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--learners", type=int, default=30)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--workbooks", type=int, default=0, metavar="K", help="only the first K workbooks (default: all)")
     p.add_argument("--no-sandbox", action="store_true")
     p.add_argument("--keep", metavar="DIR", help="build the class and write the grades here (default: a temp folder)")
     args = p.parse_args(argv)
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         name = f"learner{i:02d}"
         solved[name] = i % 3 != 2
         (cls / name).mkdir(parents=True)
-        for nb in sorted((ROOT / ("solutions" if solved[name] else "exercises")).glob("*.ipynb")):
+        books = sorted((ROOT / ("solutions" if solved[name] else "exercises")).glob("*.ipynb"))
+        for nb in books[: args.workbooks or None]:
             shutil.copy(nb, cls / name / nb.name)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "minipaged", "grade", str(cls), "--csv", str(out / "grades.csv"), "--overwrite",
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             wrong.append(f"{learner}/{wb}: {results}")
     n = len(by)
     sandboxed = "without a sandbox" not in proc.stderr
-    print(f"{args.learners} learners x 7 workbooks = {n} submissions graded in {wall / 60:.1f} min "
+    print(f"{args.learners} learners x {n // max(1, args.learners)} workbooks = {n} submissions graded in {wall / 60:.1f} min "
           f"(--jobs {args.jobs}, {'bwrap' if sandboxed else 'no sandbox'}, {os.cpu_count()} cores): "
           f"{wall / max(1, n):.1f} s per workbook on average")
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
