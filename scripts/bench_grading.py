@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         for nb in books[: args.workbooks or None]:
             shutil.copy(nb, cls / name / nb.name)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "minipaged", "grade", str(cls), "--csv", str(out / "grades.csv"), "--overwrite",
+    cmd = [sys.executable, "-m", "minipaged.checks.grading", str(cls), "--csv", str(out / "grades.csv"), "--overwrite",
            "--jobs", str(args.jobs)] + (["--no-sandbox"] if args.no_sandbox else [])
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     t0 = time.monotonic()

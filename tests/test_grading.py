@@ -51,7 +51,7 @@ def _env(pkg: Path) -> dict:
 
 
 def _grade(pkg: Path, out: Path, *args: str, timeout: float = 600) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-m", "minipaged", "grade", *args], cwd=out, env=_env(pkg),
+    proc = subprocess.run([sys.executable, "-m", "minipaged.checks.grading", *args], cwd=out, env=_env(pkg),
                           capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -265,7 +265,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_what_is_done(tmp_path: Path) -> None:
     nbformat.write(nb, cls / "b_slow" / "01_kv_cache_math.ipynb")
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "minipaged", "grade", str(cls), "--jobs", "1", "--no-sandbox"],
+    proc = subprocess.Popen([sys.executable, "-m", "minipaged.checks.grading", str(cls), "--jobs", "1", "--no-sandbox"],
                             cwd=out, env=_env(pkg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not ((out / "grades.jsonl").exists() and _rows(out / "grades.jsonl")):
@@ -350,3 +350,10 @@ def test_only_signed_lines_in_order_count() -> None:
     assert len(bad) == 1 and events[1]["result"] == "FAIL"
     replay = good + [good[1]]
     assert grading._verify(replay, key)[1] == ["a signed line out of order (#1 where #2 was due)"]
+
+
+def test_contradicting_options_get_a_clear_error(capsys) -> None:
+    for argv, text in ((["x", "--resume", "--overwrite"], "contradict"), (["x", "--jobs", "0"], "--jobs must be at least 1")):
+        with pytest.raises(SystemExit) as e:
+            grading.main(argv)
+        assert e.value.code == 2 and text in capsys.readouterr().err
