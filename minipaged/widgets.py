@@ -133,16 +133,16 @@ class App(ABC):
         self.result = self.compute()
         self.figure = self.draw()
         self.renders += 1
-        if self.readout is not None:
-            import html
-
-            self.readout.value = f"<span class='minipaged-summary'>{html.escape(self.summary())}</span>"
         if self.out is not None and _in_kernel():
             from IPython.display import display
 
             self.out.clear_output(wait=True)
             with self.out:
                 display(self.figure)
+        if self.readout is not None:  # after the picture, so text and picture never disagree for long
+            import html
+
+            self.readout.value = f"<span class='minipaged-summary'>{html.escape(self.summary())}</span>"
         return self.result
 
     def _sync_controls(self) -> None:
