@@ -2,7 +2,7 @@
 
 A lesson asserts what it shows, so a broken part must break its lesson under nbval. Each case
 copies ``minipaged/`` into a temporary folder, rewrites one line of one part (the decode
-kernel, the allocator, the scheduler), and runs the matching lesson with that copy first on
+kernel, the reference attention, the allocator, the scheduler), and runs the matching lesson with that copy first on
 PYTHONPATH, so the notebook's kernel imports the broken package. The unplanted copy must
 pass (the failures come from the bug, not from the copying). Slow: each runs one lesson.
 
@@ -41,6 +41,9 @@ PLANTS = [
     Plant("decode kernel: doubled softmax scale", "05_triton_kernel", "attention/triton_paged.py",
           r"(?m)^(\s+)scale \* LOG2E, tokens_per_split,", r"\g<1>2 * scale * LOG2E, tokens_per_split,",
           "the decode kernel is off the reference", needs="triton"),
+    # The reference attention's causal mask hides each token from itself (lesson 04 builds it).
+    Plant("reference attention: causal mask off by one", "04_paged_attention_torch", "attention/reference.py",
+          r"masked_fill\(k_pos > q_pos,", "masked_fill(k_pos >= q_pos,", "AssertionError"),
     # The allocator hands the most recently freed block out first (a LIFO free list).
     Plant("allocator: freed blocks go to the front", "02_block_allocator", "block_allocator.py",
           r"(self\._?free_list)\.append\(block_id\)", r"\1.appendleft(block_id)",
