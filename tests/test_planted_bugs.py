@@ -46,7 +46,7 @@ PLANTS = [
           r"masked_fill\(k_pos > q_pos,", "masked_fill(k_pos >= q_pos,", "AssertionError"),
     # The allocator hands the most recently freed block out first (a LIFO free list).
     Plant("allocator: freed blocks go to the front", "02_block_allocator", "block_allocator.py",
-          r"(self\._?free_list)\.append\(block_id\)", r"\1.appendleft(block_id)",
+          r"(self\.\w*free\w*)\.append\(block_id\)", r"\1.appendleft(block_id)",
           "a freed block goes to the END of the free list"),
     # The allocator frees a shared block while another sequence still holds it.
     Plant("allocator: ref counts ignored on free", "02_block_allocator", "block_allocator.py",

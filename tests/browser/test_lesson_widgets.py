@@ -75,6 +75,25 @@ def open_and_run(page, lab, name: str, folder: Path):
         pytest.fail(f"{name}: a cell failed in the browser:\n{errors.first.inner_text()[:3000]}")
 
 
+def stop_kernels(lab) -> None:
+    """Shut every kernel of the lab down (each lesson loads the model: free its memory for the next)."""
+    url, _ = lab
+    with urllib.request.urlopen(f"{url}/api/sessions", timeout=30) as r:
+        sessions = json.loads(r.read())
+    for sess in sessions:
+        req = urllib.request.Request(f"{url}/api/sessions/{sess['id']}", method="DELETE")
+        urllib.request.urlopen(req, timeout=30).close()
+
+
+@pytest.fixture
+def page(browser_context, lab):
+    p = browser_context.new_page()
+    p.set_viewport_size({"width": 1400, "height": 1000})
+    yield p
+    p.close()
+    stop_kernels(lab)
+
+
 def _dump(page, folder: Path, what: str) -> None:
     page.screenshot(path=str(folder / f"{what}.png"), full_page=True)
     (folder / f"{what}.html").write_text(page.content(), encoding="utf-8")
@@ -133,9 +152,7 @@ LLAMA2 = 6_738_415_616
 LLAMA3 = 8_030_261_248
 
 
-def test_lesson_01_memory_calculator(browser_context, lab, shots):
-    page = browser_context.new_page()
-    page.set_viewport_size({"width": 1400, "height": 1000})
+def test_lesson_01_memory_calculator(page, lab, shots):
     open_and_run(page, lab, "01_kv_cache", shots)
     box = app_box(page, "minipaged-memorycalculator", shots)
 
@@ -179,13 +196,10 @@ def test_lesson_01_memory_calculator(browser_context, lab, shots):
     overflow = box.evaluate("el => el.scrollWidth - el.clientWidth")
     assert overflow <= 1, f"the calculator overflows its box by {overflow} px at 800 px"
     shot(page, box, shots, "06-narrow")
-    page.close()
 
 
 # -- lesson 03: the page-table explorer ----------------------------------------------------
-def test_lesson_03_page_table_explorer(browser_context, lab, shots):
-    page = browser_context.new_page()
-    page.set_viewport_size({"width": 1400, "height": 1000})
+def test_lesson_03_page_table_explorer(page, lab, shots):
     open_and_run(page, lab, "03_page_table", shots)
     box = app_box(page, "minipaged-pagetableexplorer", shots)
     text = summary(box)
@@ -210,13 +224,10 @@ def test_lesson_03_page_table_explorer(browser_context, lab, shots):
     box.locator(".widget-play button, .jupyter-widgets.widget-play button").first.click()  # ▶
     wait_summary(box, "step 2:")  # Play advances the step (700 ms a step)
     shot(page, box, shots, "04-playing")
-    page.close()
 
 
 # -- lesson 06: the batching timeline ------------------------------------------------------
-def test_lesson_06_batching_timeline(browser_context, lab, shots):
-    page = browser_context.new_page()
-    page.set_viewport_size({"width": 1400, "height": 1000})
+def test_lesson_06_batching_timeline(page, lab, shots):
     open_and_run(page, lab, "06_continuous_batching", shots)
     box = app_box(page, "minipaged-batchingtimeline", shots)
     # starts just after continuous batching finished: all 8 of its requests done, static not yet
@@ -239,4 +250,3 @@ def test_lesson_06_batching_timeline(browser_context, lab, shots):
     text = wait_summary(box, "static: 8/8 done, 0 computing")
     assert "continuous: 8/8 done, 0 computing" in text, text
     shot(page, box, shots, "03-last-tick")
-    page.close()
