@@ -54,7 +54,8 @@ PLANTS = [
           "a shared block must stay allocated"),
     # The scheduler admits one sequence more than max_num_seqs.
     Plant("scheduler: one seat too many", "06_continuous_batching", "scheduler.py",
-          r"len\(self\.running\) < (self\.[\w.]*max_num_seqs)", r"len(self.running) <= \1", ""),
+          r"seats < (self\.max_num_seqs):(\s*)seq = self\.waiting\[0\](\s*)if seats \+ 1 \+ len\(seq\.forks\) > self\.max_num_seqs:",
+          r"seats <= \1:\2seq = self.waiting[0]\3if seats + len(seq.forks) > self.max_num_seqs:", ""),
 ]
 
 
