@@ -1,4 +1,4 @@
-"""The command line: ``minipaged demo | bench | grade | info``."""
+"""The command line: ``minipaged demo | serve | bench [serve] | grade | info``."""
 from __future__ import annotations
 
 import argparse
@@ -116,9 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(fn=None)
     g = sub.add_parser("grade", help="grade workbooks: minipaged grade PATH... [--csv FILE]", add_help=False)
     g.set_defaults(fn=None)
+    from .server.cli import add_bench_serve_parser, add_serve_parser
+
+    add_serve_parser(sub)
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
+    if argv[:2] == ["bench", "serve"]:
+        ap = argparse.ArgumentParser(prog="minipaged bench")
+        add_bench_serve_parser(ap.add_subparsers(dest="cmd", required=True))
+        argv = argv[1:]
+    elif argv and argv[0] == "bench":
         from .bench.__main__ import main as bench_main
 
         return bench_main(argv[1:])
