@@ -81,9 +81,15 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def served_names(model: str | None, engine_model: Any) -> tuple[str, ...]:
-    from ..model import DEFAULT_ALIASES
+    from ..model import DEFAULT_ALIASES, default_model_path, resolve_model_path
 
-    if model is None or str(model) in DEFAULT_ALIASES:
+    def is_default() -> bool:
+        try:
+            return resolve_model_path(model).resolve() == default_model_path().resolve()
+        except Exception:  # noqa: BLE001 - no default model installed: it is not the default
+            return False
+
+    if model is None or str(model) in DEFAULT_ALIASES or is_default():
         return ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "default")
     name = getattr(engine_model.config, "name", None) or str(model)
     return (str(name), str(model)) if str(name) != str(model) else (str(name),)

@@ -187,8 +187,14 @@ def prompts_of(req) -> list[Any]:
     if isinstance(p, str):
         return [p]
     if p and isinstance(p[0], int):
-        return [{"prompt_token_ids": list(p)}]
-    return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+        return [token_prompt(p)]
+    return [x if isinstance(x, str) else token_prompt(x) for x in p]
+
+
+def token_prompt(ids: list[int]) -> list[int]:
+    """Token ids as the engine takes them: a plain list of ints, which ``add_request`` range-checks
+    (the ``{"prompt_token_ids": ...}`` form is not checked yet by today's engine)."""
+    return list(ids)
 
 
 def supports_n() -> bool:
