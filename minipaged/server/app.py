@@ -181,8 +181,7 @@ def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerCon
             raise
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(call.stream(include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _EventStream(call, include_usage)
         try:
             return JSONResponse(await call.collect(request))
         except _Disconnected:
@@ -191,6 +190,22 @@ def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerCon
             call.abort_unfinished()
 
     return app
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events of one call; however the response ends (done, client gone, cancelled),
+    the call's unfinished engine requests are aborted at once, not when the generator is collected."""
+
+    def __init__(self, call: "_Call", include_usage: bool) -> None:
+        super().__init__(call.stream(include_usage), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.call = call
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.call.abort_unfinished()
 
 
 class _Call:

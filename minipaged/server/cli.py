@@ -132,6 +132,12 @@ def run_serve(args: argparse.Namespace) -> int:
             loop_.begin_shutdown(cfg.drain_timeout_s)
             super().handle_exit(sig, frame)
 
+        async def shutdown(self, sockets=None):
+            await super().shutdown(sockets)
+            # uvicorn then re-raises the signal, so the exit status says SIGTERM, as supervisors expect
+            state = "cleanly" if not loop_.alive and loop_.fatal_error is None else f"with an error: {loop_.fatal_error}"
+            print(f"minipaged serve: stopped {state}", flush=True)
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(cfg.drain_timeout_s) + 5, access_log=args.log_level in ("debug", "info"))
     server = _Server(config)
