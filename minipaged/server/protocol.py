@@ -89,7 +89,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
@@ -142,13 +142,23 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]"}
+_SHAPES = {
+    "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+}
+
+
 def _describe(e: dict) -> tuple[str, str | None]:
-    loc = [str(x) for x in e.get("loc", ()) if not isinstance(x, int) or True]
-    # pydantic names union members in the location ("prompt.str"); keep the field path only
-    path = ".".join(x for x in loc if x not in {"str", "int", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]", "float", "bool"})
-    got = e.get("input")
-    shown = json.dumps(got)[:80] if not isinstance(got, (dict,)) or len(json.dumps(got)) < 80 else "{...}"
-    return f"{path}: {e.get('msg', 'invalid')} (got {shown})", (loc[0] if loc else None)
+    """One pydantic error -> ("field.path: what is wrong (got ...)", top-level field)."""
+    loc = [str(x) for x in e.get("loc", ()) if str(x) not in _UNION_TAGS]
+    path = ".".join(loc)
+    shown = json.dumps(e.get("input"), default=str)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    field = next((name for name in reversed(loc) if name in _SHAPES), None)
+    what = f"must be {_SHAPES[field]}" if field and e.get("type") in ("string_type", "list_type", "int_type", "model_type", "model_attributes_type") else e.get("msg", "invalid")
+    return f"{path}: {what} (got {shown})", (loc[0] if loc else None)
 
 
 def parse_request(kind: Literal["completion", "chat"], data: Any):
