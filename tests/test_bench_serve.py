@@ -117,3 +117,19 @@ def test_bench_serve_is_bounded_in_time_and_counts_failures(server, tmp_path):
     assert bad.returncode == 1 and rep["failed"] == 3 and "404" in next(iter(rep["errors"]))
     dead = _bench("--url", "http://127.0.0.1:9/v1", "--model", "m", "--num-requests", "2", "--no-progress", timeout=60)
     assert dead.returncode == 1 and "failed 2" in dead.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve_can_launch_and_stop_its_own_server(tiny_hf_dir, tmp_path):
+    pytest.importorskip("fastapi")
+    out = tmp_path / "r.json"
+    r = _bench("--launch", "--launch-model", str(tiny_hf_dir), "--launch-args", "--max-num-seqs 4 --attention torch",
+               "--num-requests", "4", "--dataset", "fixed", "--input-len", "6", "--output-len", "3", "--vocab-size", "512",
+               "--json", str(out), "--no-progress")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "--max-num-seqs 4" in r.stdout and json.loads(out.read_text())["completed"] == 4
+    port = json.loads(out.read_text())["settings"]["url"].rsplit(":", 1)[1].split("/")[0]
+    import socket
+
+    with pytest.raises(OSError):  # the launched server is gone
+        socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()

@@ -282,6 +282,18 @@ async def run_load_async(url: str, requests: list[LoadRequest], times: list[floa
     return results, duration, model
 
 
+def _run(coro):
+    """``asyncio.run``, also from inside a running event loop (a Jupyter kernel): then in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def run_load(url: str, rate: float = float("inf"), num_requests: int = 32, dataset: str = "sharegpt-like",
              arrival: str = "poisson", burst_size: int = 8, seed: int = 0, endpoint: str = "completions",
              model: str | None = None, scale: float = 1.0, max_prompt: int = 256, max_output: int = 256,
@@ -293,7 +305,7 @@ def run_load(url: str, rate: float = float("inf"), num_requests: int = 32, datas
     fmt = prompt_format or ("text" if endpoint == "chat" else "ids")
     reqs = make_requests(dataset, num_requests, seed, vocab_size, scale, max_prompt, max_output, fixed, fmt)
     times = arrival_times(num_requests, rate, arrival, burst_size, seed)
-    results, duration, model = asyncio.run(run_load_async(
+    results, duration, model = _run(run_load_async(
         url, reqs, times, model, endpoint, max_concurrency, duration_s, timeout_s, ignore_eos=ignore_eos,
         progress=progress, on_tick=on_tick))
     report = summarize(results, duration, slo_ttft_ms, slo_tpot_ms)
@@ -420,6 +432,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput counts requests with TTFT at most this")
     p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="... and TPOT at most this")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let the model stop early (lengths then vary)")
+    p.add_argument("--launch", action="store_true",
+                   help="start `minipaged serve` (default model, or --launch-model) on a free port for this run, then stop it")
+    p.add_argument("--launch-model", default=None, help="the model --launch serves (a GGUF file or a model folder)")
+    p.add_argument("--launch-args", default="", help='more flags for the launched server, e.g. "--max-num-seqs 16"')
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG of the run here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -429,6 +445,17 @@ def main_from_args(args: argparse.Namespace) -> int:
     for name in ("num_requests", "burst_size", "max_prompt", "max_output", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.launch:
+        import shlex
+
+        from ..server.launch import ServerProcess
+
+        srv = ServerProcess(args.launch_model)
+        srv.cmd += shlex.split(args.launch_args)
+        with srv:
+            args.url, args.launch = srv.url, False
+            print(f"launched: {' '.join(srv.cmd[1:])}", flush=True)
+            return main_from_args(args)
     report = run_load(
         args.url, rate=args.rate, num_requests=args.num_requests, dataset=args.dataset, arrival=args.arrival,
         burst_size=args.burst_size, seed=args.seed, endpoint=args.endpoint, model=args.model, scale=args.scale,
