@@ -68,6 +68,7 @@ def test_knee_is_where_latency_leaves_its_floor():
     rep = lambda rate, p50: {"settings": {"rate": rate}, "ttft_ms": {"p50": p50}}  # noqa: E731
     assert find_knee([rep(0.5, 100), rep(1, 120), rep(2, 250), rep(4, 900)]) == 4
     assert find_knee([rep(0.5, 100), rep(1, 110)]) is None
+    assert find_knee([rep(0.5, 700), rep(1, 200), rep(2, 650), rep(4, 900)]) == 2  # the floor is the lowest so far
 
 
 @pytest.fixture(scope="module")

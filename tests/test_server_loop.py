@@ -213,6 +213,30 @@ def test_bad_requests_and_a_broken_factory(tiny_model):
         EngineLoop(lambda: None, max_waiting_requests=0)
 
 
+def test_chat_without_max_tokens_fills_the_room_left_in_a_small_pool(tiny_model):
+    from minipaged import SamplingParams
+
+    loop_ = EngineLoop(lambda: _engine(tiny_model, num_blocks=3, block_size=16)).start()  # 48 slots, context 128
+    try:
+        aio = asyncio.new_event_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def go():
+            loop_.submit("c", [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0.0),
+                         q, asyncio.get_running_loop(), auto_max_tokens=True)
+            while True:
+                ev = await asyncio.wait_for(q.get(), 60)
+                if ev.kind == "error" or ev.output.finished:
+                    return ev
+
+        ev = aio.run_until_complete(go())
+        assert ev.kind == "token", ev.error
+        out = ev.output
+        assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 49, out
+    finally:
+        loop_.shutdown(1)
+
+
 def test_shutdown_refuses_new_requests(tiny_model):
     from minipaged import SamplingParams
 

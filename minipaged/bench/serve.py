@@ -373,11 +373,19 @@ def plot_sweep(reports: list[dict], path: str | Path | None = None, knee: float 
 
 
 def find_knee(reports: list[dict], key: str = "ttft_ms", factor: float = 3.0) -> float | None:
-    """The first offered rate at which p50 ``key`` exceeds ``factor`` times its value at the lowest rate."""
-    base = reports[0][key]["p50"]
-    for r in reports[1:]:
-        if base and r[key]["p50"] is not None and r[key]["p50"] > factor * base:
+    """The first offered rate whose p50 ``key`` is over ``factor`` times the lowest p50 at a lower rate.
+
+    The running minimum, not the first rate's value, is the floor: one slow request at a low rate
+    (a busy machine, a cold cache) should not hide the knee.
+    """
+    floor = None
+    for r in reports:
+        p50 = r[key]["p50"]
+        if p50 is None:
+            continue
+        if floor is not None and p50 > factor * floor:
             return r["settings"]["rate"]
+        floor = p50 if floor is None else min(floor, p50)
     return None
 
 

@@ -169,8 +169,9 @@ def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerCon
         sub_ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         events: asyncio.Queue = asyncio.Queue()
         aio = asyncio.get_running_loop()
+        auto = kind == "chat" and req.max_tokens is None and req.max_completion_tokens is None
         for sid, prompt in zip(sub_ids, prompts):
-            loop_.submit(sid, prompt, params, events, aio, arrival)
+            loop_.submit(sid, prompt, params, events, aio, arrival, auto_max_tokens=auto)
         call = _Call(kind, rid, model, P.now(), sub_ids, events, loop_)
         try:
             await call.wait_first(request)  # errors (bad prompt, too long, overloaded) before any header

@@ -10,6 +10,7 @@ limit), text deltas, and the per-token timings the metrics record. It never pars
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -74,6 +75,7 @@ class _Request:
     queue: asyncio.Queue
     stops: list[str]
     arrival: float
+    auto_max_tokens: bool = False
     shown: str = ""
     num_tokens: int = 0
     last_token_time: float | None = None
@@ -156,14 +158,18 @@ class EngineLoop:
         self._thread.join(drain_timeout_s + join_timeout_s)
 
     # -- requests (the asyncio side) -------------------------------------------------------
-    def submit(self, request_id: str, prompt: Any, params: Any, events: asyncio.Queue, loop: asyncio.AbstractEventLoop, arrival: float | None = None) -> None:
+    def submit(self, request_id: str, prompt: Any, params: Any, events: asyncio.Queue, loop: asyncio.AbstractEventLoop,
+               arrival: float | None = None, auto_max_tokens: bool = False) -> None:
         """Queue a request for the engine thread; its events come back into ``events``.
 
         The first event is an error (bad prompt, too long, overloaded) or its first tokens.
+        ``auto_max_tokens``: the client gave no limit, so the answer may fill what is left of the
+        context (or of the whole KV pool, when that is smaller), as vLLM's server does.
         """
         if not self.accepting:
             raise shutting_down() if not self._accepting else internal_error(f"the engine loop has stopped: {self.fatal_error}")
-        req = _Request(request_id, loop, events, list(getattr(params, "stop", []) or []), arrival or time.perf_counter())
+        req = _Request(request_id, loop, events, list(getattr(params, "stop", []) or []), arrival or time.perf_counter(),
+                       auto_max_tokens)
         self._inbox.put(("add", req, prompt, params))
 
     def abort(self, request_id: str) -> None:
@@ -262,6 +268,8 @@ class EngineLoop:
             self._send(req, Event("error", error=bad_request(f"request id {req.request_id!r} is already in use")))
             return
         try:
+            if req.auto_max_tokens:
+                prompt, params = self._fill_max_tokens(prompt, params)
             eng.add_request(prompt, params, request_id=req.request_id)
         except (ValueError, TypeError) as e:
             if self.metrics is not None:
@@ -273,6 +281,16 @@ class EngineLoop:
             self._send(req, Event("error", error=internal_error(f"the engine could not take the request: {type(e).__name__}: {e}")))
             return
         self._requests[req.request_id] = req
+
+    def _fill_max_tokens(self, prompt: Any, params: Any) -> tuple[Any, Any]:
+        """max_tokens = the room left after the prompt, in the context and in the KV pool."""
+        encode = getattr(self.engine, "encode_prompt", None)
+        if encode is None:
+            return prompt, params
+        ids = list(encode(prompt))
+        pool = self.engine.allocator.num_blocks * self.engine.allocator.block_size
+        room = min(self.max_model_len, pool) - len(ids) + 1  # the last token is returned, never cached
+        return ids, dataclasses.replace(params, max_tokens=max(1, room))
 
     def _abort_now(self, rid: str, final: bool) -> None:
         req = self._requests.pop(rid, None)
