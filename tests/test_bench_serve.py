@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minipaged.bench.serve import Result, arrival_times, find_knee, make_requests, summarize
+from minipaged.bench.serve import Result, arrival_times, comparison_table, find_knee, make_requests, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -62,6 +62,16 @@ def test_summary_arithmetic_and_goodput():
     assert r["itl_ms"]["mean"] == pytest.approx(200) and r["e2el_ms"]["p99"] == pytest.approx(np.percentile([1100, 3500, 200], 99))
     # goodput: requests 1 (ttft 100, tpot 100) and 3 (ttft 200, no tpot) meet the SLO; 2 misses both
     assert r["goodput"] == pytest.approx(2 / 4.0) and r["goodput_fraction"] == pytest.approx(2 / 4)
+
+
+def test_comparison_table_leaves_missing_rows_to_others():
+    rs = [Result(ok=True, prompt_len=4, output_len=3, send=0.0, ttft=0.1, e2e=0.3, itl=[0.1, 0.1])]
+    rep = summarize(rs, 1.0, 2000, 200)
+    rep["settings"] = {"dataset": "fixed", "rate": 2.0}
+    table = comparison_table({"minipaged serve (CPU)": rep, "vllm serve (GPU)": None})
+    lines = table.splitlines()
+    assert len(lines) == 4 and "| minipaged serve (CPU) | 1/1 (fixed) | 2.0 | 3.0 | 100 / 100 | 100 | 300 |" in lines[2]
+    assert "not measured here" in lines[3] and "GPU" in lines[3]
 
 
 def test_knee_is_where_latency_leaves_its_floor():

@@ -27,6 +27,7 @@ LESSONS = [
     "05_triton_kernel",
     "06_continuous_batching",
     "07_whole_engine",
+    "09_serving",
 ]
 # The workbook each lesson points to at its end (00 has none; 05's is the Triton kernel workbook).
 WORKBOOK = {

@@ -409,6 +409,25 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def comparison_table(reports: dict[str, dict | None]) -> str:
+    """A markdown table, one row per server: {"minipaged serve (2 CPU cores)": report, "vllm serve (GPU)": None}.
+
+    A missing report leaves its row to whoever can run it (the README's vLLM row needs a GPU).
+    """
+    rows = ["| server | requests | rate (req/s) | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 (ms) | E2E p50 (ms) | goodput (req/s) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in reports.items():
+        if r is None:
+            rows.append(f"| {name} | not measured here: run the command in docs/serving.md on a GPU and fill this row | | | | | | |")
+            continue
+        s = r["settings"]
+        rows.append(
+            f"| {name} | {r['completed']}/{r['num_requests']} ({s['dataset']}) | {s['rate']} | {r['output_throughput']:.1f} | "
+            f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} | {r['tpot_ms']['p50']:.0f} | {r['e2el_ms']['p50']:.0f} | "
+            f"{r['goodput']:.2f} (TTFT <= {r['slo']['ttft_ms']:.0f} ms, TPOT <= {r['slo']['tpot_ms']:.0f} ms) |")
+    return "\n".join(rows)
+
+
 # -- command line ----------------------------------------------------------------------------
 def _rate(s: str) -> float:
     v = float(s)
