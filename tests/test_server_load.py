@@ -167,10 +167,10 @@ def test_overload_is_503_and_sigterm_lets_in_flight_requests_finish(long_tiny_di
     with srv:
         async def go():
             async with httpx.AsyncClient(timeout=120) as client:
-                long = [asyncio.ensure_future(_stream(client, srv.url, _body(i, max_tokens=300))) for i in range(3)]
-                deadline = time.monotonic() + 30
-                while srv.metrics()["minipaged:num_requests_waiting"] < 2:  # one runs, two wait: the limit
-                    assert time.monotonic() < deadline, srv.metrics()
+                long = [asyncio.ensure_future(_stream(client, srv.url, _body(i, max_tokens=600))) for i in range(3)]
+                deadline = time.monotonic() + 90
+                while (await asyncio.to_thread(srv.metrics))["minipaged:num_requests_waiting"] < 2:  # one runs, two wait
+                    assert time.monotonic() < deadline, (srv.metrics(), [t.done() and t.result() for t in long])
                     await asyncio.sleep(0.02)
                 r = await client.post(srv.url + "/completions", json={"prompt": "hi", "max_tokens": 2})
                 assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded", r.text

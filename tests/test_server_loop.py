@@ -28,7 +28,7 @@ def test_parse_is_strict_about_types_and_names():
         ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
         ({"prompt": "hi", "seed": 1.5}, "seed"),
         ({"prompt": "hi", "temperature": float("inf")}, "temperature"),
-        ({"prompt": "hi", "temperature": 1e-45}, "use 0 for greedy"),
+        ({"prompt": "hi", "temperature": 1e-45}, "use 0 for the most likely token"),
         ({"prompt": "hi", "temperature": 3}, "temperature"),
         ({"prompt": "hi", "seed": 2**70}, "seed"),
         ({"prompt": "hi", "seed": -1}, "seed"),
@@ -40,8 +40,8 @@ def test_parse_is_strict_about_types_and_names():
         ({"prompt": [[1, 2], []]}, "empty"),
         ({"messages": [{"role": "user", "content": "x"}]}, "messages"),
     ]:
-        with pytest.raises(P.APIError) as e:
-            P.parse_request("completion", body)
+        with pytest.raises(P.APIError) as e:  # the schema's checks, then SamplingParams' own
+            P.sampling_params_of(P.parse_request("completion", body), 16)
         assert e.value.status == 400 and needle in e.value.message, (body, e.value.message)
     with pytest.raises(P.APIError, match="Did you mean 'temperature'"):
         P.parse_request("completion", {"prompt": "hi", "temprature": 0})

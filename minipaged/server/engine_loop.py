@@ -300,7 +300,6 @@ class EngineLoop:
             self.engine.abort_request(rid)
         except Exception:  # noqa: BLE001 - already gone from the engine is fine
             log.warning("abort_request(%r) failed:\n%s", rid, traceback.format_exc())
-        _forget(self.engine, rid)
         if self.metrics is not None:
             self.metrics.on_aborted()
         if final:  # the server is shutting down: tell the client its answer ends here
@@ -313,7 +312,6 @@ class EngineLoop:
             return  # aborted: its client is gone
         if out.finish_reason in ("rejected", "error"):  # refused at admission, or failed inside a step
             self._requests.pop(req.request_id, None)
-            _forget(self.engine, req.request_id)
             if self.metrics is not None:
                 self.metrics.on_rejected("invalid" if out.finish_reason == "rejected" else "error")
             if out.finish_reason == "rejected":
@@ -338,7 +336,6 @@ class EngineLoop:
         self._send(req, Event("token", output=out, delta=delta, time=now))
         if out.finished:
             self._requests.pop(req.request_id, None)
-            _forget(self.engine, req.request_id)
             if m is not None:
                 m.on_finish(out, now - req.arrival)
 
@@ -352,7 +349,6 @@ class EngineLoop:
                 self.engine.abort_request(rid)
             except Exception:  # noqa: BLE001
                 pass
-            _forget(self.engine, rid)
             self._send(req, Event("error", error=err))
         self._publish()
 
@@ -422,12 +418,3 @@ def max_model_len_of(engine: Any) -> int:
     return int(engine.model.config.max_position_embeddings)
 
 
-def _forget(engine: Any, request_id: str) -> None:
-    """Drop a finished request from the engine's books, so a long-running server does not grow."""
-    release = getattr(engine, "release_request", None)
-    if callable(release):
-        release(request_id)
-        return
-    books = getattr(engine, "requests", None)
-    if isinstance(books, dict):
-        books.pop(request_id, None)

@@ -96,7 +96,7 @@ class _Common(BaseModel):
     temperature: Optional[float] = Field(default=None, ge=0, le=2)  # OpenAI's range
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=-1)  # vLLM's extension: 0 or -1 keeps every token
-    seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
+    seed: Optional[int] = None  # its range is SamplingParams' to check
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension; load generators set it
@@ -104,13 +104,6 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v):
-        if v is not None and 0 < v < 0.01:
-            raise ValueError(f"a temperature below 0.01 makes the sampler's arithmetic overflow; use 0 for greedy decoding (got {v})")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -243,7 +236,8 @@ def sampling_params_of(req, default_max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
-        raise bad_request(f"invalid sampling parameters: {e}") from None
+        field = str(e).split(" ", 1)[0]
+        raise bad_request(f"invalid sampling parameters: {e}", field if field in kw else None) from None
 
 
 # -- responses -----------------------------------------------------------------------------
