@@ -91,8 +91,16 @@ def server(tiny_hf_dir):
 
 
 def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "minipaged", "bench", "serve", *args], env=ENV, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    """``minipaged bench serve ARGS`` through the command line's own entry point, in this process."""
+    import contextlib
+    import io
+
+    from minipaged.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["bench", "serve", *args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.timeout(300)
