@@ -182,7 +182,12 @@ def test_n_greater_than_one_is_refused_until_the_engine_samples_in_parallel(clie
 
     if supports_n():
         r = client.completions.create(model="default", prompt="Hi", max_tokens=4, n=2, temperature=0.8, seed=1)
-        assert len(r.choices) == 2
+        assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 8
+        seen = {}
+        for ch in client.completions.create(model="default", prompt="Hi", max_tokens=4, n=2, temperature=0.8, seed=1, stream=True):
+            for c in ch.choices:
+                seen[c.index] = seen.get(c.index, "") + c.text
+        assert seen == {c.index: c.text for c in r.choices}  # seeded: the stream is the same answer
     else:
         with pytest.raises(openai.BadRequestError, match="n > 1 is not supported yet"):
             client.completions.create(model="default", prompt="Hi", max_tokens=4, n=2)

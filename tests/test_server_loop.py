@@ -260,3 +260,81 @@ def test_server_config_is_validated():
         ServerConfig(max_request_bytes=0)
     with pytest.raises(ValueError, match="model_names"):
         ServerConfig(model_names=())
+
+
+# -- n > 1 through the app, with a scripted engine (the real one gets n with parallel sampling) --
+class ScriptedEngine:
+    """Answers every request with n scripted samples over two steps, as RequestOutput.outputs does."""
+
+    def __init__(self):
+        self.scheduler = SimpleNamespace(waiting=[], running=[], num_preemptions=0)
+        self.allocator = SimpleNamespace(num_blocks=4, num_free_blocks=4, block_size=16)
+        self.config = SimpleNamespace(max_model_len=64)
+        self.pending = {}
+
+    def add_request(self, prompt, params, request_id):
+        n = getattr(params, "n", 1)
+        words = [("Hel", "lo"), ("Wo", "rld"), ("Fo", "o")][:n]
+        steps = []
+        for k in (0, 1):
+            samples = [SimpleNamespace(index=j, text="".join(w[: k + 1]), token_ids=[1] * (k + 1), delta_text=w[k],
+                                       finished=k == 1, finish_reason=("length" if j == 0 else "stop") if k == 1 else None)
+                       for j, w in enumerate(words)]
+            steps.append(SimpleNamespace(request_id=request_id, prompt_token_ids=[7, 8], outputs=samples, text=samples[0].text,
+                                         token_ids=samples[0].token_ids, delta_text=samples[0].delta_text, error=None,
+                                         finished=k == 1, finish_reason=samples[0].finish_reason))
+        self.pending[request_id] = iter(steps)
+        return request_id
+
+    def has_unfinished_requests(self):
+        return bool(self.pending)
+
+    def step(self):
+        outs = []
+        for rid, it in list(self.pending.items()):
+            o = next(it)
+            outs.append(o)
+            if o.finished:
+                del self.pending[rid]
+        return outs
+
+    def abort_request(self, rid):
+        return self.pending.pop(rid, None) is not None
+
+
+def test_n_samples_become_choices_in_order(monkeypatch):
+    import dataclasses
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from minipaged import SamplingParams
+    from minipaged.server.app import ServerConfig, create_app
+
+    if not P.supports_n():  # until the engine's SamplingParams has n, give it one for this test
+        @dataclasses.dataclass
+        class WithN(SamplingParams):
+            n: int = 1
+
+        monkeypatch.setattr(P, "SamplingParams", WithN)
+    app = create_app(ScriptedEngine, ServerConfig(model_names=("fake",)))
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 2})
+        body = r.json()
+        assert r.status_code == 200, body
+        assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+            (0, "Hello", "length"), (1, "World", "stop"), (2, "Hello", "length"), (3, "World", "stop")]
+        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
+        with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 3, "stream": True}) as s:
+            lines = [ln for ln in s.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+        text = {i: "" for i in range(3)}
+        ends = {}
+        for c in chunks:
+            ch = c["choices"][0]
+            text[ch["index"]] += ch["delta"].get("content", "")
+            if ch["finish_reason"]:
+                ends[ch["index"]] = ch["finish_reason"]
+        assert text == {0: "Hello", 1: "World", 2: "Foo"} and ends == {0: "length", 1: "stop", 2: "stop"}
+        assert [c["choices"][0]["delta"].get("role") for c in chunks[:3]] == ["assistant"] * 3

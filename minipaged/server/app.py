@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import protocol as P
-from .engine_loop import EngineLoop, Event
+from .engine_loop import EngineLoop, Event, samples_of
 from .metrics import ServerMetrics
 
 log = logging.getLogger("minipaged.server")
@@ -172,7 +172,7 @@ def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerCon
         auto = kind == "chat" and req.max_tokens is None and req.max_completion_tokens is None
         for sid, prompt in zip(sub_ids, prompts):
             loop_.submit(sid, prompt, params, events, aio, arrival, auto_max_tokens=auto)
-        call = _Call(kind, rid, model, P.now(), sub_ids, events, loop_)
+        call = _Call(kind, rid, model, P.now(), sub_ids, events, loop_, n=getattr(params, "n", 1))
         try:
             await call.wait_first(request)  # errors (bad prompt, too long, overloaded) before any header
         except (P.APIError, _Disconnected, asyncio.CancelledError) as e:
@@ -210,16 +210,23 @@ class _EventStream(StreamingResponse):
 
 
 class _Call:
-    """One HTTP request's engine requests (one per prompt of a batch) and their event queue."""
+    """One HTTP request's engine requests (one per prompt of a batch) and their event queue.
 
-    def __init__(self, kind: str, rid: str, model: str, created: int, sub_ids: list[str], events: asyncio.Queue, loop_: EngineLoop) -> None:
-        self.kind, self.rid, self.model, self.created = kind, rid, model, created
+    Choice ``i * n + j`` is sample ``j`` of prompt ``i`` (OpenAI's order for a batch with ``n``).
+    """
+
+    def __init__(self, kind: str, rid: str, model: str, created: int, sub_ids: list[str], events: asyncio.Queue,
+                 loop_: EngineLoop, n: int = 1) -> None:
+        self.kind, self.rid, self.model, self.created, self.n = kind, rid, model, created, n
         self.index = {sid: i for i, sid in enumerate(sub_ids)}
         self.events, self.loop_ = events, loop_
         self.unfinished = set(sub_ids)
         self.buffered: list[Event] = []
         self.prompt_tokens: dict[str, int] = {}
         self.completion_tokens: dict[str, int] = {}
+
+    def _choice(self, request_id: str, sample: int) -> int:
+        return self.index[request_id] * self.n + sample
 
     async def _next(self, request: Request | None) -> Event:
         """The next event; while none comes, check every second whether the client is still there."""
@@ -240,7 +247,7 @@ class _Call:
             self.unfinished.discard(ev.request_id)
         if ev.output is not None:
             self.prompt_tokens[ev.request_id] = len(ev.output.prompt_token_ids)
-            self.completion_tokens[ev.request_id] = len(ev.output.token_ids)
+            self.completion_tokens[ev.request_id] = sum(len(x.token_ids) for x in samples_of(ev.output))
 
     async def wait_first(self, request: Request) -> None:
         """Wait for every engine request's first event; raise the first error among them."""
@@ -259,7 +266,7 @@ class _Call:
         self.unfinished.clear()
 
     async def collect(self, request: Request) -> dict:
-        texts = {i: "" for i in self.index.values()}
+        texts = {i: "" for i in range(len(self.index) * self.n)}
         reasons: dict[int, str | None] = {}
         pending = list(self.buffered)
         while pending or self.unfinished:
@@ -267,12 +274,13 @@ class _Call:
             self._note(ev)
             if ev.kind == "error":
                 raise ev.error
-            i = self.index[ev.request_id]
-            if ev.output.finished:
-                texts[i] = ev.output.text  # the engine's final text, stop strings already cut
-                reasons[i] = P.finish_reason(ev.output.finish_reason)
-            else:
-                texts[i] += ev.delta
+            for j, delta, reason in ev.choices:
+                texts[self._choice(ev.request_id, j)] += delta
+                if reason is not None:
+                    reasons[self._choice(ev.request_id, j)] = P.finish_reason(reason)
+            if ev.output.finished:  # the engine's final texts, stop strings already cut
+                for j, sample in enumerate(samples_of(ev.output)):
+                    texts[self._choice(ev.request_id, j)] = sample.text
         choices = [{"index": i, "text": texts[i], "finish_reason": reasons.get(i)} for i in sorted(texts)]
         return P.completion_body(self.kind, self.rid, self.model, choices, sum(self.prompt_tokens.values()),
                                  sum(self.completion_tokens.values()), self.created)
@@ -281,7 +289,7 @@ class _Call:
         pending = list(self.buffered)
         try:
             if self.kind == "chat":
-                for i in sorted(self.index.values()):
+                for i in range(len(self.index) * self.n):
                     yield P.sse(P.chunk("chat", self.rid, self.model, self.created, i, "", None, first=True))
             while pending or self.unfinished:
                 ev = pending.pop(0) if pending else await self._next(None)
@@ -289,10 +297,9 @@ class _Call:
                 if ev.kind == "error":
                     yield P.sse(ev.error.body())
                     break
-                i = self.index[ev.request_id]
-                reason = P.finish_reason(ev.output.finish_reason) if ev.output.finished else None
-                if ev.delta or reason is not None:
-                    yield P.sse(P.chunk(self.kind, self.rid, self.model, self.created, i, ev.delta, reason))
+                for j, delta, reason in ev.choices:
+                    yield P.sse(P.chunk(self.kind, self.rid, self.model, self.created, self._choice(ev.request_id, j),
+                                        delta, P.finish_reason(reason)))
             if include_usage:
                 yield P.sse(P.usage_chunk(self.kind, self.rid, self.model, self.created,
                                           sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())))

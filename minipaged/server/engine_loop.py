@@ -55,17 +55,26 @@ def text_delta(shown: str, out: Any, stops: list[str]) -> str:
 class Event:
     """What the engine thread sends a request's handler.
 
-    ``kind``: "token" (``delta`` is new text, ``output`` the engine's RequestOutput) or "error"
-    (``error`` is an APIError; the request is over). A "token" event whose output is finished is
-    the last one.
+    ``kind``: "token" (``output`` is the engine's RequestOutput; ``choices`` lists, per sample that
+    changed, its new text and, once, its finish reason) or "error" (``error`` is an APIError; the
+    request is over). A "token" event whose output is finished is the last one.
     """
 
     kind: str
     request_id: str = ""
     output: Any = None
-    delta: str = ""
+    delta: str = ""  # sample 0's new text
     error: APIError | None = None
     time: float = 0.0
+    choices: list = field(default_factory=list)  # (sample index, new text, finish reason once it finishes)
+
+
+@dataclass
+class _Sample:
+    shown: str = ""
+    num_tokens: int = 0
+    last_token_time: float = 0.0
+    finished: bool = False
 
 
 @dataclass
@@ -76,9 +85,14 @@ class _Request:
     stops: list[str]
     arrival: float
     auto_max_tokens: bool = False
-    shown: str = ""
-    num_tokens: int = 0
-    last_token_time: float | None = None
+    first_token_seen: bool = False
+    samples: dict = field(default_factory=dict)  # sample index -> _Sample
+
+
+def samples_of(out: Any) -> list:
+    """A RequestOutput's samples: its ``outputs`` (one per sample with ``SamplingParams(n)``), else itself."""
+    outs = getattr(out, "outputs", None)
+    return list(outs) if outs else [out]
 
 
 @dataclass
@@ -320,20 +334,29 @@ class EngineLoop:
                 err = internal_error(f"the engine failed while serving this request: {out.error}")
             self._send(req, Event("error", output=out, error=err))
             return
-        n_new = len(out.token_ids) - req.num_tokens
         m = self.metrics
-        if n_new > 0 and m is not None:
-            if req.num_tokens == 0:
-                m.on_first_token(now - req.arrival)
-                if n_new > 1:
-                    m.on_token(0.0, n_new - 1)
-            else:
-                m.on_token((now - req.last_token_time) / n_new, n_new)
-        if n_new > 0:
-            req.num_tokens, req.last_token_time = len(out.token_ids), now
-        delta = text_delta(req.shown, out, req.stops)
-        req.shown += delta
-        self._send(req, Event("token", output=out, delta=delta, time=now))
+        choices = []
+        for i, sample in enumerate(samples_of(out)):
+            state = req.samples.setdefault(i, _Sample())
+            n_new = len(sample.token_ids) - state.num_tokens
+            if n_new > 0:
+                if m is not None:
+                    if not req.first_token_seen:
+                        m.on_first_token(now - req.arrival)
+                        m.on_token(0.0, n_new - 1)
+                    elif state.num_tokens == 0:  # another sample's first token: it came with the prompt's step
+                        m.on_token(0.0, n_new)
+                    else:
+                        m.on_token((now - state.last_token_time) / n_new, n_new)
+                req.first_token_seen = True
+                state.num_tokens, state.last_token_time = len(sample.token_ids), now
+            delta = text_delta(state.shown, sample, req.stops)
+            state.shown += delta
+            reason = sample.finish_reason if sample.finished and not state.finished else None
+            state.finished = state.finished or bool(sample.finished)
+            if delta or reason is not None:
+                choices.append((i, delta, reason))
+        self._send(req, Event("token", output=out, delta="".join(d for i, d, _ in choices if i == 0), choices=choices, time=now))
         if out.finished:
             self._requests.pop(req.request_id, None)
             if m is not None:
@@ -401,6 +424,10 @@ class EngineLoop:
 
 def prefix_cache_counts(engine: Any) -> dict:
     """Prefix-cache token counts ``{"queries": q, "hits": h}`` when the engine has a prefix cache, else {}."""
+    if getattr(engine, "prefix_cache", None) is not None:  # the scheduler counts lookups in prompt tokens
+        ps = getattr(engine.scheduler, "prefix_stats", None)
+        if ps is not None and hasattr(ps, "queried_tokens") and hasattr(ps, "hit_tokens"):
+            return {"queries": int(ps.queried_tokens), "hits": int(ps.hit_tokens)}
     for source in (engine, getattr(engine, "allocator", None), getattr(engine, "scheduler", None)):
         stats = getattr(source, "prefix_cache_stats", None)
         if callable(stats):
