@@ -233,9 +233,9 @@ class EngineLoop:
                 self._fail_step(e)
                 continue
             now = time.perf_counter()
+            self._publish(now)  # before the outputs go out: a client that saw its end sees its blocks free
             for out in outs:
                 self._dispatch(out, now)
-            self._publish(now)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
