@@ -28,6 +28,7 @@ LESSONS = [
     "06_continuous_batching",
     "07_whole_engine",
     "08_prefix_caching_and_sharing",
+    "09_serving",
 ]
 # The workbook each lesson points to at its end (00 has none; 05's is the Triton kernel workbook).
 WORKBOOK = {
