@@ -5,6 +5,8 @@ torch tensors; the model, kernels and engine build on it.
 """
 from .block_allocator import BlockAllocator, BlockAllocatorError, OutOfBlocksError
 from .block_table import BlockTable
+from .config import EngineConfig, Parts
+from .interfaces import BlockPool, BlockTableProtocol, PagedAttentionFn, SchedulerProtocol
 from .kv_cache import KVCache, kv_bytes_per_token, num_blocks_for_budget, write_kv
 from .scheduler import Scheduler, SchedulerOutput, ScheduledSeq
 from .sequence import FinishReason, Sequence, SequenceStatus
@@ -14,7 +16,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockAllocator", "BlockAllocatorError", "OutOfBlocksError", "BlockTable", "KVCache",
     "kv_bytes_per_token", "num_blocks_for_budget", "write_kv", "Scheduler", "SchedulerOutput",
-    "ScheduledSeq", "FinishReason", "Sequence", "SequenceStatus",
+    "ScheduledSeq", "FinishReason", "Sequence", "SequenceStatus", "EngineConfig", "Parts",
+    "BlockPool", "BlockTableProtocol", "SchedulerProtocol", "PagedAttentionFn",
 ]
 
 

@@ -15,7 +15,8 @@ import torch
 from .attention import get_backend
 from .block_allocator import BlockAllocator
 from .block_table import BlockTable
-from .engine import ModelRunner
+from .parts import allocate_many, cdiv, check_pool, num_reserved_slots
+from .runner import ModelRunner
 from .kv_cache import KVCache
 from .scheduler import ScheduledSeq, SchedulerOutput
 from .sequence import Sequence
@@ -31,11 +32,11 @@ class ContiguousTable(BlockTable):
 
     def __init__(self, allocator: BlockAllocator, reserve_tokens: int) -> None:
         super().__init__(allocator)
-        self.blocks = allocator.allocate_many(-(-reserve_tokens // allocator.block_size))
+        self.blocks = allocate_many(allocator, cdiv(reserve_tokens, allocator.block_size))
 
     def append_tokens(self, num_new_tokens: int = 1) -> list[int]:
-        if self.num_tokens + num_new_tokens > self.num_reserved_slots:
-            raise ValueError(f"a contiguous slot of {self.num_reserved_slots} tokens cannot hold {self.num_tokens + num_new_tokens}")
+        if self.num_tokens + num_new_tokens > num_reserved_slots(self):
+            raise ValueError(f"a contiguous slot of {num_reserved_slots(self)} tokens cannot hold {self.num_tokens + num_new_tokens}")
         self.num_tokens += num_new_tokens
         return []
 
@@ -106,10 +107,11 @@ def run_static(
             for s in seqs:
                 n = s.num_tokens - s.num_computed_tokens
                 s.block_table.append_tokens(n)
-                out.scheduled.append(ScheduledSeq(s, n, s.num_computed_tokens))
-            ids, pos, meta, rows = runner.prepare(out)
-            hidden = model(ids, pos, kv, meta, backend)
-            tokens = model.compute_logits(hidden[rows]).argmax(-1).tolist()
+                out.scheduled.append(ScheduledSeq.of(s, n))
+            inputs = runner.prepare(out)
+            hidden = model(inputs.input_ids, inputs.positions, kv, inputs.meta, backend)
+            tokens = model.compute_logits(hidden[inputs.sample_rows]).argmax(-1).tolist()
+            assert [x.seq for x in inputs.samplers] == seqs, "every row of a static batch samples, in order"
             now = time.perf_counter() - t0
             reserved = used = sampled = 0
             for s, t in zip(seqs, tokens):
@@ -124,14 +126,14 @@ def run_static(
                     run.outputs[s.seq_id] = list(s.output_token_ids)
                     if bar is not None:
                         bar.update(1)
-                reserved += s.block_table.num_reserved_slots
+                reserved += num_reserved_slots(s.block_table)
                 used += s.num_prompt_tokens + min(k, s.max_tokens) - 1
             run.trace.steps.append(StepRecord(
                 step=len(run.trace.steps), time=now, running=tuple(slots), waiting=waiting, batch=tuple(slots),
                 prefill_tokens=sum(len(x.prompt_token_ids) for x in seqs) if step == 0 else 0,
                 decode_tokens=0 if step == 0 else len(seqs), sampled_tokens=sampled, preemptions=0,
                 reserved_slots=reserved, used_slots=used, slots=dict(slots),
-                blocks_used=allocator.num_used_blocks, blocks_free=allocator.num_free_blocks,
+                blocks_used=allocator.num_blocks - allocator.num_free_blocks, blocks_free=allocator.num_free_blocks,
             ))
         end_step = len(run.trace.steps)
         for slot, s in enumerate(seqs):
@@ -146,7 +148,7 @@ def run_static(
     run.trace.meta.update(batch_size=batch_size, time_unit="s")
     if bar is not None:
         bar.close()
-    allocator.check_invariants()
+    check_pool(allocator)
     return run
 
 

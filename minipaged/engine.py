@@ -1,317 +1,450 @@
 """The engine: one ``step()`` = schedule, run the model on the paged cache, sample, update.
 
-Owns the loop and the glue (inputs for the model, outputs for the caller). The memory
-policy lives in the scheduler, the maths in the model and attention backends. Every part
-is injected, so a learner's allocator, block table, scheduler or attention can replace ours.
+Owns the loop and the glue (inputs for the model, outputs for the caller) and the promise
+that one bad request cannot break it: every request is validated before it is queued, and
+when anything raises inside a step, that step's requests finish with ``finish_reason="error"``,
+their blocks are freed and the engine goes on serving the others. The memory policy lives in
+the scheduler, the maths in the model and attention backends. Every part is injected (see
+interfaces.py for the contracts), so a learner's allocator, block table, scheduler or attention
+can replace ours.
 
     Scheduler.schedule()  -> who runs, how many new tokens each
     ModelRunner.prepare() -> flat input_ids, positions, slot_mapping, block_tables, context_lens
     model.forward()       -> per layer: write K/V through slot_mapping, paged attention
     Sampler               -> a token for each sequence whose prompt is fully computed
-    Scheduler.update()    -> append tokens, stop checks, free finished sequences' blocks
+    Scheduler.update()    -> append tokens (the stop checker decides who is done), free blocks
+
+The engine is single-threaded by design: a second thread that enters it while another is
+inside gets a RuntimeError (``minipaged serve`` runs one engine loop that owns it).
 """
 from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
 
 import torch
 
-from .attention import AttentionMetadata, get_backend
-from .block_allocator import BlockAllocator
-from .block_table import BlockTable
-from .kv_cache import KVCache, kv_bytes_per_token, num_blocks_for_budget
+from .attention import get_backend
+from .config import CONFIG_FIELDS, PARTS_FIELDS, EngineConfig, Parts, split_kwargs
+from .detokenizer import StopChecker
+from .interfaces import BlockPool, BlockTableProtocol, SchedulerProtocol
+from .kv_cache import KVCache, kv_bytes_per_token, plan_num_blocks
+from .parts import check_part, require_support
+from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass
 class RequestOutput:
-    """What a caller gets back for one request (vLLM's RequestOutput, flattened)."""
+    """What a caller gets back for one request (vLLM's RequestOutput, flattened).
+
+    ``text`` is the whole answer so far (cut before a stop string); ``delta_text`` is what this
+    output adds to the previous one of the same request (what a stream sends next).
+    """
 
     request_id: str
     prompt: Any
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", "rejected", or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "rejected", "error", or None while running
     finished: bool
-    error: str | None = None  # why a request was rejected
+    error: str | None = None  # why a request was rejected, or what raised in its step
     num_preemptions: int = 0
     metrics: dict = field(default_factory=dict)  # arrival, first_token and finish times (s)
+    delta_text: str = ""
 
     def __repr__(self) -> str:
         text = self.text if len(self.text) < 60 else self.text[:57] + "..."
         return f"RequestOutput(id={self.request_id!r}, finish={self.finish_reason}, tokens={len(self.token_ids)}, text={text!r})"
 
 
-def _total_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not Linux/macOS
-        return 8 * 2**30
+@dataclass
+class _Request:
+    seq: Sequence
+    params: SamplingParams
+    prompt: Any
 
 
-def default_kv_budget(device: torch.device) -> int:
-    """A modest slice of memory: 30% of free GPU memory, or 10% of RAM (at most 1 GiB) on CPU."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.3)
-    return min(int(_total_memory_bytes() * 0.10), 2**30)
+class _Guard:
+    """Refuses a second thread while one is inside the engine (re-entry by the same thread is fine)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(
+                "LLMEngine is single-threaded: another thread is inside it right now. Call it from one "
+                "thread (an engine loop that owns it, as `minipaged serve` does), or give each thread its own engine."
+            )
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
 
 
-class ModelRunner:
-    """Turns a SchedulerOutput into the flat tensors one forward pass needs."""
+def _is_token_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[torch.Tensor] = []
-        context_lens: list[int] = []
-        query_start_loc = [0]
-        sample_rows: list[int] = []  # row of the last new token of every sequence that samples
-        for s in out.scheduled:
-            seq, a, n = s.seq, s.start, s.num_new_tokens
-            input_ids.extend(seq.token_ids[a : a + n])
-            positions.extend(range(a, a + n))
-            slots.append(seq.block_table.slot_mapping(a, a + n))
-            context_lens.append(a + n)
-            query_start_loc.append(query_start_loc[-1] + n)
-            if s.samples:
-                sample_rows.append(query_start_loc[-1] - 1)
-        width = max(len(s.seq.block_table.blocks) for s in out.scheduled)
-        block_tables = torch.stack([s.seq.block_table.as_tensor(width) for s in out.scheduled])
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev),
-            block_tables=block_tables.to(dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
-            max_context_len=max(context_lens),
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return ids, pos, meta, sample_rows
+def _is_chat(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(m, dict) and "role" in m for m in x)
 
 
 class LLMEngine:
-    """``add_request`` / ``step`` / ``has_unfinished_requests``, for watching an engine work.
+    """``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``.
 
-    Parts are injected: ``allocator_cls(num_blocks, block_size)``,
-    ``block_table_cls(allocator)``, ``scheduler_cls(allocator, block_table_cls=..., ...)`` and
-    ``attention`` ("auto", "torch", "triton", or your own paged_attention).
+    ``config`` (EngineConfig) holds the settings and ``parts`` (Parts) the injected parts; plain
+    keywords (``block_size=8``, ``scheduler_cls=MyScheduler``) are split between the two.
+    Parts are checked against their Protocols here, and a setting a part does not declare it
+    supports is refused here, not ignored later.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer: Any = None,
-        *,
-        allocator_cls: type = BlockAllocator,
-        block_table_cls: type = BlockTable,
-        scheduler_cls: type = Scheduler,
-        attention: Any = "auto",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        max_model_len: int | None = None,
-        enable_chunked_prefill: bool = True,
-        record_trace: bool = True,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None,
+                 parts: Parts | None = None, **kwargs: Any) -> None:
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be a minipaged.config.EngineConfig, got {type(config).__name__}")
+        if kwargs:
+            split_kwargs(kwargs)  # raises on an unknown key, naming the nearest
+            config = (config or EngineConfig()).replace(**{k: v for k, v in kwargs.items() if k in CONFIG_FIELDS})
+            parts = replace(parts or Parts(), **{k: v for k, v in kwargs.items() if k in PARTS_FIELDS})
+        config = config or EngineConfig()
+        parts = (parts or Parts()).resolved()
         self.model = model.eval()
         self.tokenizer = tokenizer
-        cfg = model.config
+        mcfg = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if num_blocks is None:
-            budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_budget(self.device)
-            num_blocks = num_blocks_for_budget(budget, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, self.dtype)
-            # No point reserving more than max_num_seqs full-length sequences could ever use.
-            num_blocks = min(num_blocks, max_num_seqs * -(-self.max_model_len // block_size))
-        self.block_size = block_size
-        self.allocator = allocator_cls(num_blocks, block_size)
-        self.scheduler = scheduler_cls(
-            self.allocator,
-            block_table_cls=block_table_cls,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-        )
-        self.kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        self.backend = get_backend(attention, self.device)
+        positions = mcfg.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > positions:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} is past the model's {positions} positions "
+                f"({mcfg.name}): use max_model_len <= {positions}"
+            )
+        config = config.replace(max_model_len=config.max_model_len or positions)
+        num_blocks = plan_num_blocks(config, mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
+                                     config.max_model_len, self.dtype, self.device)
+        self.config, self.parts = config, parts
+
+        check_part(parts.allocator_cls, BlockPool, "allocator")
+        check_part(parts.block_table_cls, BlockTableProtocol, "block table")
+        check_part(parts.scheduler_cls, SchedulerProtocol, "scheduler")
+        if not config.enable_chunked_prefill:
+            require_support(parts.scheduler_cls, "schedule", "chunked_prefill_off", "enable_chunked_prefill=False", "scheduler")
+        self.allocator = parts.allocator_cls(num_blocks, config.block_size)
+        check_part(self.allocator, BlockPool, "allocator")
+        if self.allocator.num_blocks != num_blocks or self.allocator.block_size != config.block_size:
+            raise ValueError(
+                f"your allocator {type(self.allocator).__name__}(num_blocks={num_blocks}, block_size={config.block_size}) "
+                f"reports num_blocks={self.allocator.num_blocks}, block_size={self.allocator.block_size}: keep the ones it is given"
+            )
+        check_part(parts.block_table_cls(self.allocator), BlockTableProtocol, "block table")
+        self.scheduler = parts.scheduler_cls(self.allocator, parts.block_table_cls, config)
+        check_part(self.scheduler, SchedulerProtocol, "scheduler")
+        self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
+        self.backend = get_backend(parts.attention, self.device)
+        self.model.bind_attention(self.backend)
         self.runner = ModelRunner(self.device)
         self.sampler = Sampler()
-        self.scale = cfg.head_dim**-0.5
-        self.requests: dict[str, tuple[Sequence, SamplingParams, Any]] = {}
+        self.requests: dict[str, _Request] = {}  # unfinished requests (finished ones are pruned)
         self._ids = itertools.count()
-        self._rejected: list[Sequence] = []
+        self._pending: list[RequestOutput] = []  # rejected / aborted / failed: reported by the next step()
+        self._guard = _Guard()
+        self._totals = dict(requests=0, rejected=0, errors=0, aborted=0, generated_tokens=0, prompt_tokens=0, preemptions=0)
+        self._first_arrival: float | None = None
+        self._last_finish = 0.0
         self.t0 = time.perf_counter()
         self.num_steps = 0
         self.trace = None
-        if record_trace:
+        if config.record_trace:
             from .trace import Trace
 
             self.trace = Trace()
 
-    # -- requests --------------------------------------------------------------------------
+    # -- sizes -----------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
     @property
     def kv_bytes_per_token(self) -> int:
         cfg = self.model.config
         return kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
 
+    # -- requests --------------------------------------------------------------------------
     def encode_prompt(self, prompt: Any) -> list[int]:
-        """A string, chat messages (list of {"role", "content"} dicts) or token ids -> token ids."""
+        """One prompt -> token ids. The forms (and nothing else):
+
+        - a string: a text prompt, tokenized as it is;
+        - ``{"prompt": "..."}``: the same, as a dict;
+        - ``{"prompt_token_ids": [int, ...]}`` or a list of ints: token ids, used as they are;
+        - a list of chat messages (``{"role": ..., "content": ...}`` dicts): rendered with the
+          model's chat template, with the assistant's turn opened.
+        """
+        vocab = self.model.config.vocab_size
         if isinstance(prompt, str):
             self._need_tokenizer("a text prompt")
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        if isinstance(prompt, (list, tuple)):
-            if all(isinstance(m, dict) for m in prompt) and prompt:
-                self._need_tokenizer("chat messages")
-                for m in prompt:
-                    if "role" not in m or "content" not in m:
-                        raise ValueError(f"a chat message needs 'role' and 'content' keys, got {m!r}")
-                return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True))
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                vocab = self.model.config.vocab_size
-                bad = [t for t in prompt if not 0 <= t < vocab]
-                if bad:
-                    raise ValueError(f"token ids must be in 0..{vocab - 1}; got {bad[:5]}")
-                return list(prompt)
+        if isinstance(prompt, dict):
+            keys = set(prompt)
+            if keys == {"prompt_token_ids"}:
+                ids = prompt["prompt_token_ids"]
+                if not _is_token_list(ids):
+                    raise TypeError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}: {str(ids)[:60]}")
+                return self._check_ids(ids, vocab)
+            if keys == {"prompt"}:
+                if not isinstance(prompt["prompt"], str):
+                    raise TypeError(f"{{'prompt': ...}} takes a string, got {type(prompt['prompt']).__name__}")
+                return self.encode_prompt(prompt["prompt"])
+            if "role" in keys:
+                raise TypeError("one chat message is not a prompt: give the conversation as a list of messages")
+            raise TypeError(
+                f"a prompt dict takes exactly one key, 'prompt' or 'prompt_token_ids'; got keys {sorted(map(str, keys))}"
+            )
+        if _is_token_list(prompt):
+            return self._check_ids(prompt, vocab)
+        if _is_chat(prompt):
+            self._need_tokenizer("chat messages")
+            for m in prompt:
+                if set(m) - {"role", "content", "name"} or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
+                    raise ValueError(f"a chat message is {{'role': str, 'content': str}}, got {m!r}")
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True))
+        hint = ""
+        if isinstance(prompt, (bytes, bytearray)):
+            hint = ": decode bytes to a str first"
+        elif isinstance(prompt, torch.Tensor):
+            hint = ": pass tensor.tolist() for token ids"
+        elif isinstance(prompt, tuple):
+            hint = ": pass a list"
         raise TypeError(
-            f"a prompt must be a string, a list of chat messages or a list of token ids, got {type(prompt).__name__}"
+            f"a prompt must be a string, {{'prompt_token_ids': [...]}}, a list of token ids or a list of chat "
+            f"messages; got {type(prompt).__name__}{hint}"
         )
+
+    @staticmethod
+    def _check_ids(ids: list[int], vocab: int) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids must be in 0..{vocab - 1}; got {bad[:5]}")
+        return list(ids)
 
     def _need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:
             raise ValueError(f"this engine has no tokenizer, so it cannot take {what}: pass token ids instead")
 
-    def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a request and return its id. Invalid input raises; a request that can never
-        fit in the KV pool is rejected (its output says why) and the engine goes on."""
-        params = sampling_params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self.encode_prompt(prompt)
-        source = self.tokenizer if self.tokenizer is not None else self.model.config
-        eos = tuple(getattr(source, "eos_token_ids", ()) or ())
-        seq = Sequence(
-            request_id,
-            token_ids,
-            max_tokens=params.max_tokens,
-            eos_token_ids=eos,
-            stop_token_ids=tuple(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-            sampling_params=params,
-        )
-        seq.arrival_time = time.perf_counter() - self.t0
-        self.requests[request_id] = (seq, params, prompt)
-        if not self.scheduler.add_request(seq):
-            seq.finish_time = seq.arrival_time
-            self._rejected.append(seq)
-        else:
-            self.sampler.add(request_id, params)
-        return request_id
+    def new_request_id(self) -> str:
+        rid = str(next(self._ids))
+        while rid in self.requests:
+            rid = str(next(self._ids))
+        return rid
 
-    def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort(str(request_id))
-        self.sampler.remove(str(request_id))
+    def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request and return its id.
+
+        Everything is checked here, before anything is queued: bad input raises ValueError or
+        TypeError and leaves the engine as it was. A request that can never fit in the KV pool is
+        rejected instead (its output, from the next ``step()``, says why) and the engine goes on.
+        """
+        with self._guard:
+            params = SamplingParams() if sampling_params is None else sampling_params
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            params.validate()  # the fields may have been changed since it was made
+            vocab = self.model.config.vocab_size
+            bad = [t for t in params.stop_token_ids if t >= vocab]
+            if bad:
+                raise ValueError(f"stop_token_ids must be in 0..{vocab - 1}; got {bad[:5]}")
+            if params.stop and self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer, and this engine has none: use stop_token_ids")
+            if request_id is None:
+                request_id = self.new_request_id()
+            elif isinstance(request_id, bool) or not isinstance(request_id, (str, int)) or str(request_id) == "":
+                raise TypeError(f"request_id must be a non-empty string, got {request_id!r}")
+            request_id = str(request_id)
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+            token_ids = self.encode_prompt(prompt)
+            source = self.tokenizer if self.tokenizer is not None else self.model.config
+            eos = tuple(getattr(source, "eos_token_ids", ()) or ())
+            seq = Sequence(
+                request_id, token_ids, max_tokens=params.max_tokens, eos_token_ids=eos,
+                stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos, sampling_params=params,
+            )
+            seq.stop_checker = StopChecker(
+                params.max_tokens, len(token_ids), eos, params.stop_token_ids, params.stop, params.ignore_eos,
+                self.config.max_model_len, self.tokenizer,
+            )
+            seq.arrival_time = time.perf_counter() - self.t0
+            if self._first_arrival is None:
+                self._first_arrival = seq.arrival_time
+            self._totals["requests"] += 1
+            self._totals["prompt_tokens"] += len(token_ids)
+            if not self.scheduler.add_request(seq):
+                if seq.status is not SequenceStatus.REJECTED or seq.seq_id in {s.seq_id for s in self.scheduler.waiting}:
+                    raise RuntimeError(f"{type(self.scheduler).__name__}.add_request returned False but queued {seq}")
+                seq.finish_time = seq.arrival_time
+                self._totals["rejected"] += 1
+                self._pending.append(self._output(seq, _Request(seq, params, prompt)))
+                return request_id
+            self.requests[request_id] = _Request(seq, params, prompt)
+            self.sampler.add(request_id, params)
+            return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its output (finish_reason "abort") comes from
+        the next ``step()``. Returns False when no unfinished request has that id."""
+        with self._guard:
+            req = self.requests.get(str(request_id))
+            if req is None:
+                return False
+            self._end(req, FinishReason.ABORT)
+            return True
+
+    def _end(self, req: _Request, reason: FinishReason, error: str | None = None) -> None:
+        """Finish ``req`` outside the normal stop rule (abort, error): free it, report it next step."""
+        seq = req.seq
+        try:
+            self.scheduler.finish(seq, reason)
+        except Exception as e:  # a learner's finish() that raises must not lose the request
+            error = f"{error + '; ' if error else ''}finish() raised {type(e).__name__}: {e}"
+        if seq.block_table is not None:  # a finish() that forgot the blocks: give them back here
+            try:
+                seq.block_table.free()
+            except Exception:
+                pass
+            seq.block_table = None
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if error is not None:
+            seq.reject_reason = error
+        seq.stop_checker.finish(reason)
+        seq.finish_time = time.perf_counter() - self.t0
+        self._totals["aborted" if reason is FinishReason.ABORT else "errors"] += 1
+        self._retire(req)
+        self._pending.append(self._output(seq, req))
+
+    def _retire(self, req: _Request) -> None:
+        seq = req.seq
+        self.requests.pop(seq.seq_id, None)
+        self.sampler.remove(seq.seq_id)
+        self._totals["generated_tokens"] += len(seq.output_token_ids)
+        self._totals["preemptions"] += seq.num_preemptions
+        self._last_finish = max(self._last_finish, seq.finish_time or 0.0)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._rejected)
+        return bool(self.requests) or bool(self._pending)
 
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return an output for every request that changed."""
-        changed: list[Sequence] = self._rejected
-        self._rejected = []
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            if self.scheduler.has_unfinished() and not changed:
-                raise RuntimeError(
-                    "the scheduler scheduled nothing although requests are waiting: "
-                    f"{len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} running, "
-                    f"{self.allocator.num_free_blocks} free blocks. A scheduler must make progress every step."
-                )
-            return [self._output(s) for s in changed]
-        ids, pos, meta, rows = self.runner.prepare(out)
-        hidden = self.model(ids, pos, self.kv_cache, meta, self.backend)
-        sampling = [s.seq for s in out.scheduled if s.samples]
-        sampled: dict = {}
-        if sampling:
-            logits = self.model.compute_logits(hidden[rows])
-            tokens = self.sampler(logits, [s.seq_id for s in sampling], [s.sampling_params for s in sampling])
-            sampled = {s.seq_id: t for s, t in zip(sampling, tokens)}
-        now = time.perf_counter() - self.t0
-        self.scheduler.update(out, sampled)
-        for seq in sampling:
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if not seq.is_finished and seq.sampling_params.stop and self._hit_stop_string(seq):
-                self.scheduler.finish(seq, FinishReason.STOP)
-            if seq.is_finished:
-                seq.finish_time = now
-                self.sampler.remove(seq.seq_id)
-        self.num_steps += 1
-        if self.trace is not None:
-            self.trace.record(self.scheduler, out, now)
-        return [self._output(s) for s in changed + sampling]
+        """Run one engine step; return an output for every request that changed.
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        if self.tokenizer is None:
-            return False
-        text = self.tokenizer.decode(seq.output_token_ids)
-        return any(s in text for s in seq.sampling_params.stop)
+        If anything raises inside the step (the scheduler, the model, attention, sampling), the
+        requests of this step finish with ``finish_reason="error"`` and the message, their blocks
+        are freed, and the engine keeps serving the others.
+        """
+        with self._guard:
+            outputs, self._pending = self._pending, []
+            if not self.requests:
+                return outputs
+            out = None
+            try:
+                out = self.scheduler.schedule()
+                if out.is_empty:
+                    if not outputs:
+                        raise RuntimeError(
+                            "the scheduler scheduled nothing although requests are waiting: "
+                            f"{len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} running, "
+                            f"{self.allocator.num_free_blocks} free blocks. A scheduler must make progress every step."
+                        )
+                    return outputs
+                inputs = self.runner.prepare(out)
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+                sampled: dict = {}
+                if inputs.samplers:
+                    logits = self.model.compute_logits(hidden[inputs.sample_rows])
+                    seqs = [s.seq for s in inputs.samplers]
+                    tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.sampling_params for s in seqs])
+                    sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
+                now = time.perf_counter() - self.t0
+                self.scheduler.update(out, sampled)
+            except Exception as e:
+                return outputs + self._fail_step(out, e)
+            changed = []
+            for s in inputs.samplers:
+                seq = s.seq
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if seq.is_finished:
+                    seq.finish_time = now
+                changed.append(seq)
+            self.num_steps += 1
+            if self.trace is not None:
+                self.trace.record(self.scheduler, out, now)
+            for seq in changed:
+                req = self.requests.get(seq.seq_id)
+                if req is None:
+                    continue
+                outputs.append(self._output(seq, req))
+                if seq.is_finished:
+                    self._retire(req)
+            return outputs
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text = ""
-        if self.tokenizer is not None and seq.output_token_ids:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            for s in seq.sampling_params.stop if seq.sampling_params else ():
-                if s in text:
-                    text = text[: text.index(s)]
-        _, _, prompt = self.requests[seq.seq_id]
+    def _fail_step(self, out: Any, error: Exception) -> list[RequestOutput]:
+        """Finish the requests of a step that raised with finish_reason "error"; keep the rest."""
+        where = "the scheduler" if out is None else "the step"
+        msg = f"{where} raised {type(error).__name__}: {error}"
+        if out is None:  # schedule() itself raised: the sequences it was working on are suspect
+            seqs = list(self.scheduler.running) + [s for s in self.scheduler.waiting if s.block_table is not None]
+        elif out.is_empty:  # no progress is possible: end everything rather than spin
+            seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        else:
+            seqs = [s.seq for s in out.scheduled]
+        for seq in seqs:
+            req = self.requests.get(seq.seq_id)
+            if req is not None:
+                self._end(req, FinishReason.ERROR, msg)
+        if not seqs:  # nothing to blame: surface the error rather than spin
+            raise error
+        warnings.warn(f"minipaged: {len(seqs)} request(s) failed: {msg}", stacklevel=3)
+        failed, self._pending = self._pending, []
+        return failed
+
+    def _output(self, seq: Sequence, req: _Request) -> RequestOutput:
+        checker = seq.stop_checker
         reason = seq.finish_reason.value if seq.finish_reason is not None and seq.is_finished else None
         return RequestOutput(
             request_id=seq.seq_id,
-            prompt=prompt,
+            prompt=req.prompt,
             prompt_token_ids=list(seq.prompt_token_ids),
-            text=text,
+            text=checker.text if checker is not None else "",
             token_ids=list(seq.output_token_ids),
             finish_reason=reason,
             finished=seq.is_finished,
             error=seq.reject_reason,
             num_preemptions=seq.num_preemptions,
             metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time, "finish_time": seq.finish_time},
+            delta_text=checker.pop_delta() if checker is not None else "",
         )
 
     def run(self, progress: bool = False, desc: str = "generating") -> dict[str, RequestOutput]:
         """Step until every request is done; return the final output of each, by request id."""
         done: dict[str, RequestOutput] = {}
-        total = sum(1 for s, _, _ in self.requests.values() if not s.is_finished) + len(self._rejected)
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, desc=desc, unit="req")
+            bar = tqdm(total=len(self.requests) + len(self._pending), desc=desc, unit="req")
         while self.has_unfinished_requests():
             for o in self.step():
                 if o.finished:
@@ -324,21 +457,23 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """What the engine did so far, in numbers a person can read."""
-        seqs = [s for s, _, _ in self.requests.values()]
-        gen = sum(len(s.output_token_ids) for s in seqs)
-        wall = max((s.finish_time or 0.0) for s in seqs) - min((s.arrival_time or 0.0) for s in seqs) if seqs else 0.0
+        t = self._totals
+        gen = t["generated_tokens"] + sum(len(r.seq.output_token_ids) for r in self.requests.values())
+        wall = self._last_finish - self._first_arrival if self._first_arrival is not None else 0.0
         info = {
-            "requests": len(seqs),
-            "rejected": sum(s.status is SequenceStatus.REJECTED for s in seqs),
+            "requests": t["requests"],
+            "rejected": t["rejected"],
+            "errors": t["errors"],
+            "aborted": t["aborted"],
             "generated_tokens": gen,
-            "prompt_tokens": sum(s.num_prompt_tokens for s in seqs),
+            "prompt_tokens": t["prompt_tokens"],
             "seconds": wall,
-            "output_tokens_per_s": gen / wall if wall > 0 else 0.0,
+            "output_tokens_per_s": t["generated_tokens"] / wall if wall > 0 else 0.0,
             "steps": self.num_steps,
             "num_blocks": self.allocator.num_blocks,
             "block_size": self.block_size,
             "kv_cache_mib": self.kv_cache.nbytes / 2**20,
-            "preemptions": sum(s.num_preemptions for s in seqs),
+            "preemptions": t["preemptions"] + sum(r.seq.num_preemptions for r in self.requests.values()),
         }
         if self.trace is not None and self.trace.steps:
             info.update(
@@ -355,17 +490,14 @@ class LLM:
     ``model`` is None (the default SmolLM2-135M-Instruct), a path (a GGUF file or a local
     Hugging Face folder), or an already built model (then pass ``tokenizer`` too). A loaded
     model goes to ``device`` (default: CUDA when present, else the CPU) in ``dtype``.
-    Everything else goes to LLMEngine (block_size, kv_cache_bytes, attention, *_cls, ...).
+    Every other keyword is an EngineConfig setting (``block_size``, ``kv_cache_bytes``, ...) or
+    a part (``allocator_cls``, ``block_table_cls``, ``scheduler_cls``, ``attention``); an unknown
+    one is a TypeError naming the nearest valid one.
     """
 
-    def __init__(
-        self,
-        model: Any = None,
-        tokenizer: Any = None,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
-        **engine_kwargs: Any,
-    ) -> None:
+    def __init__(self, model: Any = None, tokenizer: Any = None, device: str | torch.device | None = None,
+                 dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:
+        config, parts = split_kwargs(kwargs)  # before loading anything: a typo costs no load time
         if model is None or isinstance(model, (str, os.PathLike)):
             from .model import load_model
 
@@ -375,30 +507,42 @@ class LLM:
             model, loaded_tok = load_model(model, dtype=dtype, device=device)
             self.load_seconds = time.perf_counter() - t
             tokenizer = tokenizer or loaded_tok
-        self.engine_kwargs = engine_kwargs
-        self.engine = LLMEngine(model, tokenizer, **engine_kwargs)
+        self.engine = LLMEngine(model, tokenizer, config, parts)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(
-        self,
-        prompts: Any,
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = False,
-    ) -> list[RequestOutput]:
+    @staticmethod
+    def _as_prompt_list(prompts: Any) -> list:
+        """``generate``'s input: one prompt (see LLMEngine.encode_prompt) or a list of prompts."""
+        if isinstance(prompts, (str, dict)) or _is_token_list(prompts) and prompts or _is_chat(prompts):
+            return [prompts]
+        if isinstance(prompts, list):
+            if not prompts:
+                return []
+            if any(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+                raise TypeError(
+                    "a list that mixes token ids with other things: give one prompt's token ids as a list of ints, "
+                    "or many prompts as a list of prompts"
+                )
+            return list(prompts)
+        hint = {bytes: "decode it to a str", bytearray: "decode it to a str", tuple: "pass a list"}.get(type(prompts), "")
+        if isinstance(prompts, torch.Tensor):
+            hint = "pass tensor.tolist() (one row of token ids per prompt)"
+        raise TypeError(
+            f"generate() takes a prompt (a string, {{'prompt_token_ids': [...]}}, token ids, chat messages) or a "
+            f"list of prompts; got {type(prompts).__name__}{': ' + hint if hint else ''}"
+        )
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         """Serve all ``prompts`` together (continuous batching); outputs in the prompts' order.
 
         A prompt that is invalid or can never fit is not fatal: its output has
-        ``finish_reason="rejected"`` and ``error`` says why, and the others are served.
+        ``finish_reason="rejected"``, its own request id, and ``error`` says why; the others are served.
         """
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and (isinstance(prompts[0], int) or isinstance(prompts[0], dict))
-        )
-        if single:
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._as_prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
@@ -408,52 +552,57 @@ class LLM:
         eng = self.engine
         ids: list[str | RequestOutput] = []
         for prompt, p in zip(prompts, params):
+            rid = eng.new_request_id()
             try:
-                ids.append(eng.add_request(prompt, p))
+                ids.append(eng.add_request(prompt, p, request_id=rid))
             except (ValueError, TypeError) as e:
-                warnings.warn(f"request rejected: {e}", stacklevel=2)
-                ids.append(RequestOutput("-", prompt, [], "", [], "rejected", True, error=str(e)))
+                warnings.warn(f"request {rid} rejected: {e}", stacklevel=2)
+                ids.append(RequestOutput(rid, prompt, [], "", [], "rejected", True, error=str(e)))
         done = eng.run(progress=use_tqdm)
         results = []
         for rid in ids:
             o = rid if isinstance(rid, RequestOutput) else done[rid]
-            if o.finish_reason == "rejected" and o.error and not isinstance(rid, RequestOutput):
-                warnings.warn(f"request {o.request_id} rejected: {o.error}", stacklevel=2)
+            if o.finish_reason in ("rejected", "error") and not isinstance(rid, RequestOutput):
+                warnings.warn(f"request {o.request_id} {o.finish_reason}: {o.error}", stacklevel=2)
             results.append(o)
         return results
 
-    def chat(self, messages: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+    def chat(self, messages: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
-        if messages and isinstance(messages[0], dict):
+        if _is_chat(messages):
             messages = [messages]
-        return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm)
+        if not isinstance(messages, list) or not all(_is_chat(m) for m in messages):
+            raise TypeError("chat() takes a conversation (a list of {'role', 'content'} dicts) or a list of conversations")
+        return self.generate(messages, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the answer's text piece by piece as tokens come (other requests may run too)."""
+        """Yield the answer's text piece by piece as tokens come (other requests may run too).
+
+        Closing the generator early (``break``, ``close()``, or dropping it) aborts the request
+        and frees its blocks. A stop string never appears in the pieces.
+        """
         eng = self.engine
         rid = eng.add_request(prompt, sampling_params)
-        shown = ""
-        while True:
-            outs = {o.request_id: o for o in eng.step()}
-            o = outs.get(rid)
-            if o is None:
+        finished = False
+        try:
+            while True:
+                outs = eng.step()
+                for o in outs:
+                    if o.request_id != rid:
+                        continue
+                    if o.finish_reason in ("rejected", "error"):
+                        finished = True
+                        raise ValueError(f"request {o.finish_reason}: {o.error}")
+                    if o.delta_text:
+                        yield o.delta_text
+                    if o.finished:
+                        finished = True
+                        return
                 if not eng.has_unfinished_requests():
                     return
-                continue
-            if o.error:
-                raise ValueError(f"request rejected: {o.error}")
-            text = o.text
-            # hold back a trailing partial UTF-8 character until its other bytes arrive
-            safe = text[:-1] if text.endswith("\ufffd") and not o.finished else text
-            if len(safe) > len(shown) and safe.startswith(shown):
-                yield safe[len(shown):]
-                shown = safe
-            if o.finished:
-                return
+        finally:
+            if not finished:
+                eng.abort_request(rid)
 
 
-def generate_all(engine: LLMEngine, prompts: Iterable[Any], params: SamplingParams) -> list[RequestOutput]:
-    """Convenience for notebooks: add every prompt to ``engine``, run to the end, keep the order."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = engine.run()
-    return [done[i] for i in ids]

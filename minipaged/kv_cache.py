@@ -6,6 +6,8 @@ its business (see block_allocator.py and block_table.py).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -86,3 +88,61 @@ class KVCache:
             f"KVCache(layers={self.num_layers}, blocks={self.num_blocks}x{self.block_size}, "
             f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {self.dtype}, {self.nbytes / 2**20:.1f} MiB)"
         )
+
+
+# -- sizing the pool from the configuration ----------------------------------------------
+def available_memory_bytes(device: torch.device | str = "cpu") -> int:
+    """Memory a new KV cache could take now: free GPU memory, or the OS's MemAvailable."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:  # macOS and other Unixes: physical memory (an upper bound)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+def default_kv_budget(device: torch.device | str = "cpu") -> int:
+    """A modest slice of memory: 30% of free GPU memory, or 10% of available RAM (at most 1 GiB) on CPU."""
+    avail = available_memory_bytes(device)
+    if torch.device(device).type == "cuda":
+        return int(avail * 0.3)
+    return min(int(avail * 0.10), 2**30)
+
+
+def plan_num_blocks(config, num_layers: int, num_kv_heads: int, head_dim: int, max_model_len: int,
+                    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> int:
+    """How many KV blocks the engine gets for ``config`` (an EngineConfig) and this model shape.
+
+    ``num_blocks`` wins; else ``kv_cache_bytes``; else ``default_kv_budget``. The pool is capped
+    at what ``max_num_seqs`` full-length sequences could ever use, and must fit in the memory
+    available now: a budget larger than that is a ValueError, never an out-of-memory kill.
+    """
+    bs = config.block_size
+    per_block = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * bs
+    avail = available_memory_bytes(device)
+    if config.num_blocks is not None:
+        n = config.num_blocks
+        asked = n * per_block
+        what = f"num_blocks={n} ({asked / 2**30:.2f} GiB of KV)"
+    else:
+        budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_budget(device)
+        asked = budget
+        what = f"kv_cache_bytes={budget} ({budget / 2**30:.2f} GiB)"
+        n = num_blocks_for_budget(budget, num_layers, num_kv_heads, head_dim, bs, dtype)
+        n = min(n, config.max_num_seqs * -(-max_model_len // bs))  # more could never be used
+    if asked > 0.9 * avail:
+        raise ValueError(
+            f"{what} is more than the memory available for it on {torch.device(device)}: "
+            f"{avail / 2**30:.2f} GiB free now. Give a smaller kv_cache_bytes (or num_blocks); "
+            f"one block of {bs} tokens takes {per_block} bytes for this model"
+        )
+    return n

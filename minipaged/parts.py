@@ -39,6 +39,9 @@ def allocate_many(pool: BlockPool, n: int) -> list[int]:
 
 def check_pool(pool: BlockPool) -> None:
     """Every ref count is >= 0, and the free count equals the number of blocks with ref count 0."""
+    internal = getattr(pool, "_check_internal", None)  # the reference also checks its free list
+    if internal is not None:
+        internal()
     counts = ref_counts(pool)
     neg = [b for b, rc in enumerate(counts) if rc < 0]
     assert not neg, f"block(s) {neg[:5]} have a negative ref count"
@@ -47,9 +50,6 @@ def check_pool(pool: BlockPool) -> None:
         f"{zero} blocks have ref count 0 but the pool says {pool.num_free_blocks} are free "
         "(a block leaked, or is free and in use at once)"
     )
-    invariants = getattr(pool, "_check_internal", None)  # the reference also checks its free list
-    if invariants is not None:
-        invariants()
 
 
 # -- the block table ---------------------------------------------------------------------

@@ -5,14 +5,32 @@ answer is the same whether the request runs alone or inside a busy batch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 
+MIN_TEMPERATURE = 1e-2  # below this, softmax(logits / T) under/overflows in fp32: use 0 (greedy) instead
+MAX_SEED = 2**63 - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass
 class SamplingParams:
-    """``temperature=0`` is greedy. ``top_k<=0`` and ``top_p=1`` switch those filters off."""
+    """``temperature=0`` is greedy. ``top_k<=0`` and ``top_p=1`` switch those filters off.
+
+    Every field is checked when the params are made and again when a request is added:
+    ``temperature`` is 0 or a finite number >= MIN_TEMPERATURE (0.01); ``seed`` is None or an
+    int in 0..2**63-1; ``bool`` is never taken for an int.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -26,16 +44,30 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError (TypeError for a wrong type) naming the bad field and what it takes."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}: "
+                "smaller temperatures overflow the softmax; use 0 for the most likely token"
+            )
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1] (1 keeps every token), got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= 0 (0 or -1 keeps every token), got {self.top_k!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be None or an int in 0..2**63-1, got {self.seed!r}")
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

@@ -13,28 +13,42 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
-from .block_allocator import BlockAllocator
-from .block_table import BlockTable
+from .config import EngineConfig
+from .parts import cdiv, check_scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # tokens whose KV this step computes
-    start: int  # num_computed_tokens before the step: positions start .. start + num_new_tokens - 1
+    """One sequence's share of a step, filled in by the scheduler; the runner, trace and viz
+    read these fields and never recompute them."""
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the sequence, so its last logits give a new token."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+    seq: Sequence
+    start: int  # num_computed_tokens before the step: positions start .. start + num_new_tokens - 1
+    num_new_tokens: int  # tokens whose KV this step computes
+    samples: bool  # the step reaches the end of the sequence, so its last logits give a new token
+    is_prefill: bool  # False only for a decode: one new token after the whole prompt is computed
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> "ScheduledSeq":
+        """The record for ``seq`` running ``num_new_tokens`` from its ``num_computed_tokens`` on."""
+        start = seq.num_computed_tokens
+        return cls(
+            seq=seq,
+            start=start,
+            num_new_tokens=num_new_tokens,
+            samples=start + num_new_tokens == seq.num_tokens,
+            is_prefill=not (num_new_tokens == 1 and start >= seq.num_prompt_tokens),
+        )
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting in this step
+    finished: list[Sequence] = field(default_factory=list)  # filled by update(): done in this step
     num_batched_tokens: int = 0
 
     @property
@@ -52,30 +66,45 @@ class Scheduler:
       running sequence is preempted: its blocks are freed, ``num_computed_tokens`` reset to
       0, and it goes back to the front of the waiting queue to be recomputed later;
     - a request that could not fit even in an empty pool is rejected at once.
+
+    ``add_request`` and ``schedule`` are the policy (the workbook has you write them);
+    ``update``, ``finish`` and ``abort`` are the bookkeeping every policy shares.
     """
 
+    # Non-default settings this class's schedule() handles (see interfaces.py).
+    supports = frozenset({"chunked_prefill_off"})
+
     def __init__(
-        self,
-        allocator: BlockAllocator,
-        block_table_cls: type = BlockTable,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        max_model_len: int | None = None,
-        enable_chunked_prefill: bool = True,
+        self, allocator: Any, block_table_cls: type | None = None, config: EngineConfig | None = None, **settings: Any
     ) -> None:
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        """``settings`` (e.g. ``max_num_seqs=4``) are EngineConfig fields changed from ``config``."""
+        if block_table_cls is None:
+            from .block_table import BlockTable
+
+            block_table_cls = BlockTable
         self.allocator = allocator
         self.block_table_cls = block_table_cls
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.enable_chunked_prefill = enable_chunked_prefill
+        self.config = (config or EngineConfig()).replace(**settings) if settings else (config or EngineConfig())
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
+
+    # the settings, by the names the policy uses
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.config.max_num_batched_tokens
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.config.max_model_len
+
+    @property
+    def enable_chunked_prefill(self) -> bool:
+        return self.config.enable_chunked_prefill
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, seq: Sequence) -> bool:
@@ -104,7 +133,7 @@ class Scheduler:
         total = seq.max_total_tokens
         if self.max_model_len is not None:
             total = min(total, self.max_model_len)
-        need = -(-total // bs)
+        need = cdiv(total, bs)
         if need > pool:
             return (
                 f"needs {need} KV blocks (prompt {seq.num_prompt_tokens} + max_tokens {seq.max_tokens}, "
@@ -144,7 +173,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: everyone after it is gone too
             table.append_tokens(n)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
             i += 1
 
@@ -164,7 +193,7 @@ class Scheduler:
             seq.block_table = table
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
@@ -174,26 +203,30 @@ class Scheduler:
         """Apply a step's results: move ``num_computed_tokens``, append sampled tokens, finish.
 
         ``sampled`` maps seq_id -> token id for every scheduled sequence whose ``samples`` is
-        True. Returns the sequences that finished in this step (their blocks are already free).
+        True. The sequence's stop checker decides whether it is done. Returns the sequences that
+        finished in this step (their blocks are already free), also kept in ``out.finished``.
         """
-        finished = []
         for s in out.scheduled:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or aborted while the step ran
-            samples = s.samples
             seq.num_computed_tokens += s.num_new_tokens
-            if not samples:
+            if not s.samples:
                 continue
             if seq.seq_id not in sampled:
                 raise KeyError(f"no sampled token for sequence {seq.seq_id!r}, which finished its prefill this step")
+            if seq.stop_checker is None:
+                from .detokenizer import StopChecker
+
+                seq.stop_checker = StopChecker(
+                    seq.max_tokens, seq.num_prompt_tokens, seq.eos_token_ids, seq.stop_token_ids,
+                    ignore_eos=seq.ignore_eos, max_model_len=self.max_model_len,
+                )
             seq.append_token(sampled[seq.seq_id])
-            if seq.finish_reason is None and self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = FinishReason.LENGTH
             if seq.finish_reason is not None:
                 self.finish(seq, seq.finish_reason)
-                finished.append(seq)
-        return finished
+                out.finished.append(seq)
+        return out.finished
 
     # -- state changes ---------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
@@ -225,25 +258,5 @@ class Scheduler:
                 return seq
         return None
 
-    # -- checks ----------------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        self.allocator.check_invariants()
-        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs={self.max_num_seqs}"
-        refs: dict[int, int] = {}
-        for seq in self.running:
-            assert seq.status is SequenceStatus.RUNNING, f"{seq} is in the running queue"
-            assert seq.block_table is not None, f"running {seq} has no block table"
-            seq.block_table.check_invariants()
-            assert seq.block_table.num_tokens >= seq.num_computed_tokens, f"{seq}: KV computed past its block table"
-            for b in seq.block_table.blocks:
-                refs[b] = refs.get(b, 0) + 1
-        for seq in self.waiting:
-            assert seq.status is SequenceStatus.WAITING, f"{seq} is in the waiting queue"
-            assert seq.block_table is None, f"waiting {seq} still holds blocks {seq.block_table}"
-        ids = [s.seq_id for s in self.running] + [s.seq_id for s in self.waiting]
-        assert len(ids) == len(set(ids)), "a sequence is queued twice"
-        for b in range(self.allocator.num_blocks):
-            assert self.allocator.ref_counts[b] == refs.get(b, 0), (
-                f"block {b}: allocator ref count {self.allocator.ref_counts[b]} but {refs.get(b, 0)} running "
-                "block table(s) hold it (leaked or over-freed)"
-            )
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(running={len(self.running)}, waiting={len(self.waiting)}, preemptions={self.num_preemptions})"

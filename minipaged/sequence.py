@@ -4,7 +4,6 @@ Owns no memory and no model; the block table it carries is filled by the schedul
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -25,9 +24,8 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens reached, or the model's context is full
     ABORT = "abort"  # cancelled by the caller
     REJECTED = "rejected"  # could never fit; see Sequence.reject_reason
+    ERROR = "error"  # the step that ran it raised (a learner's attention, a model error); see Sequence.reject_reason
 
-
-_arrival = itertools.count()
 
 
 @dataclass(eq=False)
@@ -51,8 +49,10 @@ class Sequence:
     reject_reason: str | None = None
     num_computed_tokens: int = 0
     num_preemptions: int = 0
-    arrival: int = field(default_factory=lambda: next(_arrival))
     block_table: "BlockTable | None" = None
+    # the one rule that decides when this request is done (detokenizer.StopChecker); the
+    # engine attaches one with the tokenizer and stop strings, else one is made from the fields above
+    stop_checker: Any = None
     # timing, filled by the engine (seconds since the engine started)
     arrival_time: float | None = None
     first_token_time: float | None = None
@@ -85,15 +85,21 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.REJECTED)
 
-    def append_token(self, token_id: int) -> None:
-        """Add a sampled token and decide whether the request is done."""
+    def append_token(self, token_id: int) -> str:
+        """Add a sampled token; its stop checker decides whether the request is done.
+
+        Returns the text the token adds (empty without a tokenizer, or while held back)."""
+        if self.stop_checker is None:
+            from .detokenizer import StopChecker
+
+            self.stop_checker = StopChecker(
+                self.max_tokens, self.num_prompt_tokens, self.eos_token_ids, self.stop_token_ids, ignore_eos=self.ignore_eos
+            )
         self.output_token_ids.append(int(token_id))
-        if not self.ignore_eos and token_id in self.eos_token_ids:
-            self.finish_reason = FinishReason.STOP
-        elif token_id in self.stop_token_ids:
-            self.finish_reason = FinishReason.STOP
-        elif len(self.output_token_ids) >= self.max_tokens:
-            self.finish_reason = FinishReason.LENGTH
+        reason, delta = self.stop_checker.append(token_id)
+        if reason is not None:
+            self.finish_reason = reason
+        return delta
 
     def __repr__(self) -> str:
         return (

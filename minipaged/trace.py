@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence as Seq
 from .block_allocator import BlockAllocator
 from .block_table import BlockTable
 from .scheduler import Scheduler, SchedulerOutput
+from .parts import check_scheduler
 from .sequence import Sequence
 
 
@@ -151,7 +152,7 @@ class Trace:
             batch=tuple(s.seq.seq_id for s in output.scheduled),
             prefill_tokens=prefill, decode_tokens=decode, sampled_tokens=sampled,
             preemptions=scheduler.num_preemptions, reserved_slots=reserved, used_slots=used, slots=slots,
-            blocks_used=alloc.num_used_blocks, blocks_free=alloc.num_free_blocks, owners=owners, tables=tables,
+            blocks_used=alloc.num_blocks - alloc.num_free_blocks, blocks_free=alloc.num_free_blocks, owners=owners, tables=tables,
         )
         self.steps.append(rec)
         return rec
@@ -338,7 +339,7 @@ def simulate(
         sampled = {s.seq.seq_id: rng.randrange(vocab_size) for s in out.scheduled if s.samples}
         sched.update(out, sampled)
         if check_invariants:
-            sched.check_invariants()
+            check_scheduler(sched)
         pf = sum(s.num_new_tokens for s in out.scheduled if not (s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens))
         t += step_time(pf, out.num_batched_tokens - pf) if step_time else 1.0
         trace.record(sched, out, t)

@@ -80,8 +80,6 @@ def run_paged(
             block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
             context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
-            max_context_len=max(ctx),
         )
         hidden = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), cache, meta, backend or TORCH)
         out = model.compute_logits(hidden).cpu()

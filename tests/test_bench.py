@@ -11,6 +11,7 @@ import torch
 
 from minipaged.baselines import ContiguousTable, run_naive, run_static
 from minipaged.block_allocator import BlockAllocator
+from minipaged.parts import check_pool
 from minipaged.bench.serving import format_table, gemm_gflops, run_bench, save_plots, to_json
 from minipaged.bench.workloads import synthetic
 
@@ -36,11 +37,11 @@ def test_contiguous_table_reserves_up_front():
     t = ContiguousTable(alloc, 17)
     assert len(t.blocks) == 5 and alloc.num_free_blocks == 5 and t.num_tokens == 0
     t.append_tokens(3)
-    assert t.num_reserved_slots == 20 and t.slot(2) == t.blocks[0] * 4 + 2
+    assert len(t.blocks) * t.block_size == 20 and int(t.slot_mapping(2, 3)) == t.blocks[0] * 4 + 2
     with pytest.raises(ValueError, match="cannot hold"):
         t.append_tokens(18)
     t.free()
-    alloc.check_invariants()
+    check_pool(alloc)
     assert alloc.num_free_blocks == 10
 
 

@@ -12,14 +12,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from minipaged.parts import allocate_many, check_pool, num_used_blocks, ref_counts
 from minipaged.block_allocator import BlockAllocator, BlockAllocatorError, OutOfBlocksError
 
 
 # -- examples ---------------------------------------------------------------------------------
 def test_fresh_pool_is_all_free():
     a = BlockAllocator(5, block_size=4)
-    a.check_invariants()
-    assert (a.num_free_blocks, a.num_used_blocks) == (5, 0)
+    check_pool(a)
+    assert (a.num_free_blocks, num_used_blocks(a)) == (5, 0)
     assert all(a.ref_count(b) == 0 for b in range(5))
 
 
@@ -27,12 +28,12 @@ def test_allocate_and_free_round_trip():
     a = BlockAllocator(3, block_size=2)
     got = [a.allocate() for _ in range(3)]
     assert sorted(got) == [0, 1, 2]
-    assert a.num_free_blocks == 0 and not a.can_allocate(1) and a.can_allocate(0)
+    assert a.num_free_blocks == 0 and not (1 <= a.num_free_blocks) and (0 <= a.num_free_blocks)
     assert all(a.ref_count(b) == 1 for b in got)
-    a.check_invariants()
+    check_pool(a)
     for b in got:
         a.free(b)
-        a.check_invariants()
+        check_pool(a)
     assert a.num_free_blocks == 3
 
 
@@ -45,10 +46,10 @@ def test_shared_block_returns_only_after_last_reference():
     a.free(b)
     a.free(b)
     assert a.ref_count(b) == 1 and a.num_free_blocks == 1, "a block with references left must stay used"
-    a.check_invariants()
+    check_pool(a)
     a.free(b)
     assert a.ref_count(b) == 0 and a.num_free_blocks == 2
-    a.check_invariants()
+    check_pool(a)
 
 
 def test_freed_blocks_are_handed_out_last():
@@ -63,11 +64,11 @@ def test_allocate_many_is_all_or_nothing():
     a = BlockAllocator(4)
     a.allocate()
     with pytest.raises(OutOfBlocksError):
-        a.allocate_many(4)
+        allocate_many(a, 4)
     assert a.num_free_blocks == 3, "a failed allocate_many must not take any block"
-    a.check_invariants()
-    assert len(set(a.allocate_many(3))) == 3
-    assert a.allocate_many(0) == []
+    check_pool(a)
+    assert len(set(allocate_many(a, 3))) == 3
+    assert allocate_many(a, 0) == []
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 16, 255, 256])
@@ -78,7 +79,7 @@ def test_block_sizes_1_to_256_accepted(block_size):
 # -- error paths: the message must say what went wrong and what to look at ----------------
 def test_allocate_from_empty_pool_says_pool_is_full():
     a = BlockAllocator(2)
-    a.allocate_many(2)
+    allocate_many(a, 2)
     with pytest.raises(OutOfBlocksError) as e:
         a.allocate()
     msg = str(e.value)
@@ -89,9 +90,9 @@ def test_allocate_from_empty_pool_says_pool_is_full():
 
 def test_allocate_many_over_free_count_names_both_numbers():
     a = BlockAllocator(4)
-    a.allocate_many(2)
+    allocate_many(a, 2)
     with pytest.raises(OutOfBlocksError, match=r"asked for 3 KV blocks but only 2 of 4 are free"):
-        a.allocate_many(3)
+        allocate_many(a, 3)
 
 
 def test_double_free_names_the_block_and_the_state():
@@ -103,7 +104,7 @@ def test_double_free_names_the_block_and_the_state():
     msg = str(e.value)
     assert f"block {b}" in msg and "already free" in msg and "ref count 0" in msg
     assert "4 of 4 blocks free" in msg
-    a.check_invariants()  # the failed free changed nothing
+    check_pool(a)  # the failed free changed nothing
 
 
 def test_free_of_never_allocated_block_is_an_error():
@@ -111,17 +112,17 @@ def test_free_of_never_allocated_block_is_an_error():
     with pytest.raises(BlockAllocatorError, match=r"block 2 is already free"):
         a.free(2)
     assert a.num_free_blocks == 4
-    a.check_invariants()
+    check_pool(a)
 
 
 @pytest.mark.parametrize("bad", [-1, 4, 99, True, 1.0, "0", None])
 def test_block_id_outside_pool(bad):
     a = BlockAllocator(4)
-    a.allocate_many(4)
+    allocate_many(a, 4)
     for op in (a.free, a.incref, a.ref_count):
         with pytest.raises(BlockAllocatorError, match=r"not in this pool \(valid ids: 0\.\.3\)"):
             op(bad)
-    a.check_invariants()
+    check_pool(a)
 
 
 def test_incref_of_free_block_is_an_error():
@@ -147,19 +148,19 @@ def test_check_invariants_catches_corruption():
     """The checker itself must be able to fail, or every test built on it proves nothing."""
     a = BlockAllocator(3)
     b = a.allocate()
-    a.free_list.append(b)  # used and free at once
+    a._free.append(b)  # used and free at once
     with pytest.raises(AssertionError, match="also in the free list"):
-        a.check_invariants()
+        check_pool(a)
 
     a = BlockAllocator(3)
-    a.free_list.popleft()  # ref 0 but not listed: leaked
+    a._free.popleft()  # ref 0 but not listed: leaked
     with pytest.raises(AssertionError, match="leaked"):
-        a.check_invariants()
+        check_pool(a)
 
     a = BlockAllocator(3)
-    a.free_list.append(0)
+    a._free.append(0)
     with pytest.raises(AssertionError, match="listed twice"):
-        a.check_invariants()
+        check_pool(a)
 
 
 # -- property: long random operation sequences against a model --------------------------------
@@ -190,9 +191,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     def allocate_many(self, n):
         if n > len(self.free_order):
             with pytest.raises(OutOfBlocksError):
-                self.a.allocate_many(n)
+                allocate_many(self.a, n)
             return
-        got = self.a.allocate_many(n)
+        got = allocate_many(self.a, n)
         assert got == [self.free_order.popleft() for _ in range(n)]
         for b in got:
             self.refs[b] = 1
@@ -222,18 +223,18 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def matches_model(self):
-        self.a.check_invariants()
-        assert self.a.ref_counts == self.refs
-        assert list(self.a.free_list) == list(self.free_order)
+        check_pool(self.a)
+        assert ref_counts(self.a) == self.refs
+        assert list(self.a._free) == list(self.free_order)
         assert self.a.num_free_blocks == self.refs.count(0)
-        assert self.a.num_used_blocks == len(self.refs) - self.refs.count(0)
+        assert num_used_blocks(self.a) == len(self.refs) - self.refs.count(0)
 
     def teardown(self):
         # Releasing every reference must give the whole pool back: nothing leaks.
         for b, r in enumerate(self.refs):
             for _ in range(r):
                 self.a.free(b)
-        self.a.check_invariants()
+        check_pool(self.a)
         assert self.a.num_free_blocks == self.a.num_blocks
 
 

@@ -11,6 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from minipaged.runner import pad_block_tables
+from minipaged.parts import allocate_many, check_pool, check_table, fork_table, num_reserved_slots
 from minipaged.block_allocator import BlockAllocator, OutOfBlocksError
 from minipaged.block_table import BlockTable
 
@@ -18,7 +20,7 @@ from minipaged.block_table import BlockTable
 def _shuffled_pool(num_blocks: int, block_size: int, order: list[int]) -> BlockAllocator:
     """A pool whose free list hands out blocks in ``order`` (so tables get scattered blocks)."""
     a = BlockAllocator(num_blocks, block_size=block_size)
-    taken = a.allocate_many(num_blocks)
+    taken = allocate_many(a, num_blocks)
     for b in order:
         a.free(taken[b])
     return a
@@ -29,19 +31,15 @@ def test_position_to_block_offset_and_slot():
     a = _shuffled_pool(6, 4, [5, 2, 0, 3, 1, 4])
     t = BlockTable(a)
     assert t.append_tokens(10) == [5, 2, 0]
-    assert t.blocks == [5, 2, 0] and t.num_tokens == 10 and t.num_reserved_slots == 12
-    assert t.physical(0) == (5, 0)
-    assert t.physical(3) == (5, 3)
-    assert t.physical(4) == (2, 0)
-    assert t.physical(9) == (0, 1)
-    assert [t.slot(p) for p in range(10)] == [20, 21, 22, 23, 8, 9, 10, 11, 0, 1]
+    assert t.blocks == [5, 2, 0] and t.num_tokens == 10 and num_reserved_slots(t) == 12
+    assert [int(t.slot_mapping(p, p + 1)) for p in range(10)] == [20, 21, 22, 23, 8, 9, 10, 11, 0, 1]
     sm = t.slot_mapping(2, 9)
     assert sm.dtype == torch.int64 and sm.shape == (7,)
-    assert sm.tolist() == [t.slot(p) for p in range(2, 9)]
+    assert sm.tolist() == [int(t.slot_mapping(p, p + 1)) for p in range(2, 9)]
     assert t.slot_mapping(4, 4).shape == (0,)
-    row = t.as_tensor(5, pad=-1)
+    row = pad_block_tables([t.blocks], pad=-1, width=5)[0]
     assert row.dtype == torch.int32 and row.tolist() == [5, 2, 0, -1, -1]
-    t.check_invariants()
+    check_table(t)
 
 
 def test_grow_one_token_at_a_time_takes_a_block_only_at_boundaries():
@@ -50,7 +48,7 @@ def test_grow_one_token_at_a_time_takes_a_block_only_at_boundaries():
     taken = [len(t.append_tokens(1)) for _ in range(9)]
     assert taken == [1, 0, 0, 1, 0, 0, 1, 0, 0]
     assert t.blocks_needed(0) == 0 and t.blocks_needed(1) == 1 and t.blocks_needed(4) == 2
-    t.check_invariants()
+    check_table(t)
 
 
 def test_grow_by_many_then_free_returns_every_block_at_once():
@@ -61,8 +59,8 @@ def test_grow_by_many_then_free_returns_every_block_at_once():
     assert len(t.blocks) == 6 and a.num_free_blocks == 2
     t.free()
     assert t.blocks == [] and t.num_tokens == 0 and a.num_free_blocks == 8
-    t.check_invariants()
-    a.check_invariants()
+    check_table(t)
+    check_pool(a)
     t.free()  # freeing an empty table is harmless
     assert a.num_free_blocks == 8
 
@@ -76,23 +74,23 @@ def test_append_is_all_or_nothing_when_pool_runs_dry():
         t.append_tokens(6)
     assert "needs 3 more block(s) for 6 token(s)" in str(e.value) and "1 free" in str(e.value)
     assert (t.blocks, t.num_tokens, a.num_free_blocks) == before
-    t.check_invariants()
-    a.check_invariants()
+    check_table(t)
+    check_pool(a)
 
 
 def test_fork_shares_blocks_with_references():
     a = BlockAllocator(4, block_size=2)
     parent = BlockTable(a)
     parent.append_tokens(3)
-    child = parent.fork()
+    child = fork_table(parent)
     assert child.blocks == parent.blocks and child.blocks is not parent.blocks
     assert all(a.ref_count(b) == 2 for b in parent.blocks)
     parent.free()
     assert a.num_free_blocks == 2, "the child still holds the shared blocks"
-    child.check_invariants()
+    check_table(child)
     child.free()
     assert a.num_free_blocks == 4
-    a.check_invariants()
+    check_pool(a)
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 64, 256])
@@ -117,10 +115,8 @@ def test_position_outside_the_table():
     t = BlockTable(BlockAllocator(2, block_size=4))
     t.append_tokens(3)
     for pos in (-1, 3, 100):
-        with pytest.raises(IndexError, match=rf"position {pos} is outside this sequence's 3 token slot"):
-            t.physical(pos)
-    with pytest.raises(IndexError, match="outside"):
-        t.slot(3)
+        with pytest.raises(IndexError, match=r"is outside this sequence's 3 token slot"):
+            t.slot_mapping(pos, pos + 1)
 
 
 def test_slot_range_past_the_end_tells_to_append_first():
@@ -131,11 +127,11 @@ def test_slot_range_past_the_end_tells_to_append_first():
             t.slot_mapping(start, end)
 
 
-def test_as_tensor_width_too_small():
+def test_padded_row_width_too_small():
     t = BlockTable(BlockAllocator(4, block_size=1))
     t.append_tokens(3)
     with pytest.raises(ValueError, match="width 2 is smaller than the 3 blocks"):
-        t.as_tensor(2)
+        pad_block_tables([t.blocks], width=2)
 
 
 def test_check_invariants_catches_corruption():
@@ -144,11 +140,11 @@ def test_check_invariants_catches_corruption():
     t.append_tokens(3)
     t.num_tokens = 5  # claims more tokens than its blocks hold
     with pytest.raises(AssertionError, match="need 3 blocks"):
-        t.check_invariants()
+        check_table(t)
     t.num_tokens = 3
     a.free(t.blocks[0])  # someone freed a block the table still uses
     with pytest.raises(AssertionError, match="allocator says it is free"):
-        t.check_invariants()
+        check_table(t)
 
 
 # -- property: many tables, one pool ----------------------------------------------------------
@@ -195,21 +191,21 @@ class TablesMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tables)
     @rule(data=st.data())
     def fork(self, data):
-        self.tables.append(data.draw(st.sampled_from(self.tables)).fork())
+        self.tables.append(fork_table(data.draw(st.sampled_from(self.tables))))
 
     @invariant()
     def consistent(self):
         if not hasattr(self, "a"):
             return
-        self.a.check_invariants()
+        check_pool(self.a)
         holders: dict[int, int] = {}
         for t in self.tables:
-            t.check_invariants()
+            check_table(t)
             for b in t.blocks:
                 holders[b] = holders.get(b, 0) + 1
             # The slot mapping and the scalar path agree, and every slot lies in the pool.
             sm = t.slot_mapping(0, t.num_tokens).tolist()
-            assert sm == [t.slot(p) for p in range(t.num_tokens)]
+            assert sm == [int(t.slot_mapping(p, p + 1)) for p in range(t.num_tokens)]
             assert all(0 <= s < self.a.num_blocks * self.bs for s in sm)
         # No block is shared without a reference, and no reference is left unaccounted for.
         for b in range(self.a.num_blocks):
@@ -220,7 +216,7 @@ class TablesMachine(RuleBasedStateMachine):
             return
         for t in self.tables:
             t.free()
-        self.a.check_invariants()
+        check_pool(self.a)
         assert self.a.num_free_blocks == self.a.num_blocks, "a block leaked after every table was freed"
 
 

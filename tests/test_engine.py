@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
+
+from minipaged.parts import check_scheduler
 import torch
 
 from minipaged.block_allocator import BlockAllocator
@@ -30,7 +32,7 @@ def _generate(model, tok, prompts, params, **kw):
     eng = LLMEngine(model, tok, **kw)
     ids = [eng.add_request(p, params) for p in prompts]
     done = eng.run()
-    eng.scheduler.check_invariants()
+    check_scheduler(eng.scheduler)
     assert eng.allocator.num_free_blocks == eng.allocator.num_blocks, "blocks leaked after every request finished"
     return [done[i].token_ids for i in ids], eng
 

@@ -13,6 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minipaged.parts import allocate_many, check_pool, check_table
+from minipaged.runner import pad_block_tables
 from minipaged.attention.reference import gather_kv
 from minipaged.block_allocator import BlockAllocator
 from minipaged.block_table import BlockTable
@@ -89,7 +91,7 @@ def test_write_then_gather_by_block_table_round_trips(block_size, num_seqs, num_
     num_blocks = sum(-(-n // block_size) for n in lengths) + rng.randint(0, 3)
     # A shuffled free list: tables get scattered, non-increasing block ids.
     alloc = BlockAllocator(num_blocks, block_size=block_size)
-    taken = alloc.allocate_many(num_blocks)
+    taken = allocate_many(alloc, num_blocks)
     rng.shuffle(taken)
     for b in taken:
         alloc.free(b)
@@ -118,12 +120,12 @@ def test_write_then_gather_by_block_table_round_trips(block_size, num_seqs, num_
             written[s][2 * layer + 1] = torch.cat([written[s][2 * layer + 1], v])
         if t.num_tokens == lengths[s]:
             pending.remove(s)
-    alloc.check_invariants()
+    check_pool(alloc)
 
     width = max(len(t.blocks) for t in tables) + 1  # padded rows, as a batch has them
     for s, t in enumerate(tables):
-        t.check_invariants()
-        row = t.as_tensor(width)
+        check_table(t)
+        row = pad_block_tables([t.blocks], width=width)[0]
         for layer in range(num_layers):
             got_k = gather_kv(cache.k[layer], row, lengths[s])
             got_v = gather_kv(cache.v[layer], row, lengths[s])
@@ -131,5 +133,5 @@ def test_write_then_gather_by_block_table_round_trips(block_size, num_seqs, num_
             assert torch.equal(got_v, written[s][2 * layer + 1]), f"seq {s} layer {layer}: V read back differs"
             # Token by token, through (block, offset), as a learner would index it.
             for p in rng.sample(range(lengths[s]), min(3, lengths[s])):
-                block, offset = t.physical(p)
+                block, offset = t.blocks[p // t.block_size], p % t.block_size
                 assert torch.equal(cache.k[layer][block, offset], written[s][2 * layer][p])

@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from minipaged.parts import check_scheduler, num_used_blocks
 from minipaged.attention.reference import gather_kv
 from minipaged.block_allocator import BlockAllocator
 from minipaged.kv_cache import write_kv
@@ -145,12 +146,12 @@ class Run:
         return not w.chunked and total > w.max_num_batched_tokens
 
     def check(self) -> None:
-        self.sched.check_invariants()
+        check_scheduler(self.sched)
         assert len(self.sched.running) <= self.w.max_num_seqs
         # Running sequences hold disjoint blocks (nothing here forks), so none is shared.
         held = [b for s in self.sched.running for b in s.block_table.blocks]
         assert len(held) == len(set(held)), f"a block is held by two running sequences: {sorted(held)}"
-        assert self.alloc.num_used_blocks == len(held)
+        assert num_used_blocks(self.alloc) == len(held)
 
     def arrive(self, step: int) -> None:
         for r in self.w.reqs:
@@ -255,7 +256,7 @@ class Run:
             write_kv(self.k_cache, self.v_cache, k_new, k_new, torch.cat(slots))
             for s in out.scheduled:
                 ctx = s.start + s.num_new_tokens
-                got = gather_kv(self.k_cache, s.seq.block_table.as_tensor(), ctx)[:, 0]
+                got = gather_kv(self.k_cache, torch.tensor(s.seq.block_table.blocks, dtype=torch.int32), ctx)[:, 0]
                 want = torch.tensor([[s.seq.seq_id + 1, t] for t in s.seq.token_ids[:ctx]], dtype=torch.float64)
                 assert torch.equal(got, want), f"step {step}: KV of request {s.seq.seq_id} overwritten or misplaced"
 
@@ -376,7 +377,7 @@ def _drive(sched: Scheduler, seqs: list[Sequence], eos_after: dict | None = None
             chunks.setdefault(s.seq.seq_id, []).append((s.start, s.num_new_tokens))
         sampled = {s.seq.seq_id: 5 for s in out.scheduled if s.samples}
         sched.update(out, sampled)
-        sched.check_invariants()
+        check_scheduler(sched)
     assert not sched.has_unfinished()
     return chunks, outs
 
@@ -421,14 +422,14 @@ def test_preemption_frees_blocks_keeps_tokens_and_recomputes_from_zero():
         if not sched.has_unfinished():
             break
         out = sched.schedule()
-        sched.check_invariants()
+        check_scheduler(sched)
         history.append(([(s.seq.seq_id, s.start, s.num_new_tokens) for s in out.scheduled], [p.seq_id for p in out.preempted]))
         if out.preempted:
             assert out.preempted == [b] and b.num_computed_tokens == 0 and b.block_table is None
             assert b.token_ids == [3, 4, 7, 7, 7] and b.num_preemptions == 1 and sched.waiting[0] is b
             assert alloc.num_free_blocks == 4 - len(a.block_table.blocks)
         sched.update(out, {s.seq.seq_id: 7 for s in out.scheduled if s.samples})
-        sched.check_invariants()
+        check_scheduler(sched)
     assert history == [
         ([("a", 0, 2), ("b", 0, 2)], []),
         ([("a", 2, 1), ("b", 2, 1)], []),
@@ -496,10 +497,10 @@ def test_abort_waiting_and_running_frees_at_once():
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
-    assert [s.seq for s in out.scheduled] == [a] and alloc.num_used_blocks == 2
+    assert [s.seq for s in out.scheduled] == [a] and num_used_blocks(alloc) == 2
     assert sched.abort("b") is b and b.finish_reason is FinishReason.ABORT and b not in sched.waiting
     assert sched.abort("a") is a and alloc.num_free_blocks == 8 and a.block_table is None
-    sched.check_invariants()
+    check_scheduler(sched)
     assert sched.update(out, {"a": 9}) == [], "a request aborted while its step ran is skipped"
     assert a.output_token_ids == [] and sched.abort("a") is None and sched.abort("nobody") is None
     assert not sched.has_unfinished()
@@ -521,7 +522,7 @@ def test_chunked_prefill_off_regression_no_deadlock_after_preemption():
 # -- error paths --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"), ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0")],
+    [({"max_num_seqs": 0}, "max_num_seqs must be an int >= 1, got 0"), ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be an int >= 1, got 0")],
 )
 def test_bad_scheduler_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -563,4 +564,4 @@ def test_check_invariants_catches_a_leaked_block():
     sched.schedule()
     alloc.allocate()  # taken behind the scheduler's back
     with pytest.raises(AssertionError, match="leaked or over-freed"):
-        sched.check_invariants()
+        check_scheduler(sched)

@@ -6,6 +6,7 @@ from collections import defaultdict
 
 import pytest
 
+from minipaged.parts import check_scheduler, num_used_blocks
 from minipaged import BlockAllocator, Scheduler, Sequence
 from minipaged.trace import Trace, sample_requests, simulate, simulate_static
 
@@ -41,10 +42,10 @@ def test_owners_agree_with_the_allocator_every_step():
         sched.update(out, {s.seq.seq_id: 7 for s in out.scheduled if s.samples})
         t += 1
         rec = trace.record(sched, out, t)
-        sched.check_invariants()
-        assert rec.blocks_used == alloc.num_used_blocks and rec.blocks_free == alloc.num_free_blocks
+        check_scheduler(sched)
+        assert rec.blocks_used == num_used_blocks(alloc) and rec.blocks_free == alloc.num_free_blocks
         for b, owner in enumerate(rec.owners):
-            assert (owner is None) == (alloc.ref_counts[b] == 0), f"step {rec.step}, block {b}"
+            assert (owner is None) == (alloc.ref_count(b) == 0), f"step {rec.step}, block {b}"
             assert not isinstance(owner, tuple), "no block is shared in this run"
         assert sum(o is not None for o in rec.owners) == rec.blocks_used
         running = {s.seq_id: s for s in sched.running}

@@ -380,7 +380,7 @@ def test_kernel_benchmark_case_and_table(monkeypatch):
 def test_engine_greedy_tokens_match_the_torch_backend(tiny_model, monkeypatch):
     """A tiny random Llama served by the engine: chunked prefills mixed with decodes in one step
     (a small token budget), block size 8; attention="triton" must pick the very same greedy tokens."""
-    from minipaged.engine import LLMEngine, generate_all
+    from minipaged.engine import LLMEngine
     from minipaged.sampling import SamplingParams
 
     model, tok = tiny_model
@@ -397,7 +397,9 @@ def test_engine_greedy_tokens_match_the_torch_backend(tiny_model, monkeypatch):
             warnings.simplefilter("ignore")
             engine = LLMEngine(model, tok, attention=attention, block_size=8, num_blocks=48, max_num_batched_tokens=24, record_trace=False)
         assert engine.backend.name == attention
-        tokens[attention] = [o.token_ids for o in generate_all(engine, prompts, params)]
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = engine.run()
+        tokens[attention] = [done[i].token_ids for i in ids]
     assert launches["decode"] > 0 and launches["prefill"] > 0, launches
     for i, (want, got) in enumerate(zip(tokens["torch"], tokens["triton"])):
         assert got == want, f"prompt {i} ({len(prompts[i])} tokens): triton {got} vs torch {want}; seed={seed}"

@@ -7,6 +7,7 @@ Every backend offers ``write_kv(k_cache, v_cache, k, v, slot_mapping)`` and
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 import warnings
@@ -20,31 +21,75 @@ from .reference import paged_attention as _reference_paged_attention
 from .torch_sdpa import paged_attention as _torch_paged_attention
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
-    """What one engine step tells every attention layer (the same for all layers)."""
+    """What one engine step tells every attention layer (the same for all layers), made once
+    per step by the runner. Backends dispatch on these fields, never on tensor shapes."""
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64: where each new token's K/V goes
     block_tables: torch.Tensor  # (num_seqs, max_blocks) int32
     context_lens: torch.Tensor  # (num_seqs,) int32: tokens each sequence attends to after this step
     query_start_loc: torch.Tensor  # (num_seqs + 1,) int32: cumulative new-token counts
-    max_query_len: int
-    max_context_len: int
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
+    num_decodes: int = 0  # the first num_decodes sequences have exactly one new token each
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionBackend:
+    """``write_kv`` stores new K/V; ``forward`` attends, given the step's metadata.
+
+    ``paged_attention`` has the reference signature (interfaces.PagedAttentionFn). A backend
+    whose function takes ``num_decodes=`` gets it, so it can batch the decode sequences at once.
+    """
+
     name: str
     write_kv: Callable[..., Any]
     paged_attention: Callable[..., Any]
+    takes_num_decodes: bool = False
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        args = (q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, scale)
+        if self.takes_num_decodes:
+            return self.paged_attention(*args, out=out, num_decodes=meta.num_decodes)
+        result = self.paged_attention(*args, out)
+        if not isinstance(result, torch.Tensor) or result.shape != q.shape:
+            got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+            raise ValueError(
+                f"attention {self.name!r} returned {got}; a paged_attention function must return a tensor "
+                f"shaped like q {tuple(q.shape)} (num_tokens, num_heads, head_dim)"
+            )
+        return result
+
+
+def _takes_num_decodes(fn: Callable[..., Any]) -> bool:
+    try:
+        return "num_decodes" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+_PARAMS = ("q", "k_cache", "v_cache", "block_tables", "context_lens", "query_start_loc", "scale")
+
+
+def check_attention_fn(fn: Any) -> None:
+    """Refuse, when the engine is built, a function that cannot take the reference's arguments."""
+    if not callable(fn):
+        raise TypeError(f"attention must be a paged_attention function, got {type(fn).__name__}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C function: trust it
+    try:
+        sig.bind(*_PARAMS, None)
+    except TypeError:
+        raise TypeError(
+            f"your attention function {getattr(fn, '__name__', fn)!r}{sig} cannot be called as "
+            f"paged_attention({', '.join(_PARAMS)}, out=None): give it exactly these parameters, in this order"
+        ) from None
 
 
 # "torch": the serving path (fused SDPA); "reference": the oracle, explicit maths, slower.
-TORCH = AttentionBackend("torch", _torch_write_kv, _torch_paged_attention)
+TORCH = AttentionBackend("torch", _torch_write_kv, _torch_paged_attention, _takes_num_decodes(_torch_paged_attention))
 REFERENCE = AttentionBackend("reference", _torch_write_kv, _reference_paged_attention)
 _announced = False
 
@@ -80,7 +125,7 @@ def _load_triton() -> AttentionBackend:
             _announced = True
     from . import triton_paged
 
-    return AttentionBackend("triton", triton_paged.write_kv, triton_paged.paged_attention)
+    return AttentionBackend("triton", triton_paged.write_kv, triton_paged.paged_attention, _takes_num_decodes(triton_paged.paged_attention))
 
 
 def get_backend(attention: "str | AttentionBackend | Any" = "auto", device: "torch.device | str | None" = None) -> AttentionBackend:
@@ -110,8 +155,10 @@ def get_backend(attention: "str | AttentionBackend | Any" = "auto", device: "tor
             f"unknown attention backend {attention!r}: use 'auto', 'torch', 'triton', 'reference' or your own function"
         )
     if callable(attention) and not hasattr(attention, "paged_attention"):
+        check_attention_fn(attention)
         return AttentionBackend(getattr(attention, "__name__", "custom"), _torch_write_kv, attention)
     if hasattr(attention, "paged_attention"):
+        check_attention_fn(attention.paged_attention)
         return AttentionBackend(
             getattr(attention, "name", type(attention).__name__),
             getattr(attention, "write_kv", _torch_write_kv),
@@ -120,4 +167,4 @@ def get_backend(attention: "str | AttentionBackend | Any" = "auto", device: "tor
     raise TypeError(f"attention must be a name or an object with paged_attention, got {type(attention).__name__}")
 
 
-__all__ = ["AttentionMetadata", "AttentionBackend", "get_backend", "triton_available", "TORCH", "REFERENCE"]
+__all__ = ["AttentionMetadata", "AttentionBackend", "get_backend", "check_attention_fn", "triton_available", "TORCH", "REFERENCE"]

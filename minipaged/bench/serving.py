@@ -112,7 +112,7 @@ def run_continuous(
     )
     ids = [eng.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)) for r in workload.requests]
     eng.t0 = time.perf_counter()
-    for s, _, _ in eng.requests.values():
+    for s in (r.seq for r in eng.requests.values()):
         s.arrival_time = 0.0
     done = eng.run(progress=progress, desc="continuous batching")
     seconds = time.perf_counter() - eng.t0

@@ -82,9 +82,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # K is cached after RoPE, so a cached token never needs rotating again.
         backend.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
-        o = backend.paged_attention(
-            q, k_cache, v_cache, attn.block_tables, attn.context_lens, attn.query_start_loc, self.scale
-        )  # (N, H, D): each new token attended over its own sequence's whole context
+        o = backend.forward(q, k_cache, v_cache, attn, self.scale)  # (N, H, D): each new token over its whole context
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))  # (N, C)
 
 
@@ -129,6 +127,11 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_positions, D)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.requires_grad_(False)  # inference only
+        self.backend: AttentionBackend = TORCH  # bound once by the engine: bind_attention()
+
+    def bind_attention(self, backend: AttentionBackend) -> None:
+        """Every layer attends through ``backend`` from now on (the engine does this once, at start)."""
+        self.backend = backend
 
     @torch.no_grad()
     def forward(
@@ -139,8 +142,11 @@ class LlamaModel(nn.Module):
         attn: AttentionMetadata,
         backend: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        """Run the new tokens through every layer, storing their K/V; returns (N, C) after the final norm."""
-        backend = backend or TORCH
+        """Run the new tokens through every layer, storing their K/V; returns (N, C) after the final norm.
+
+        Attention goes through the bound backend (``bind_attention``); ``backend`` overrides it for
+        this call only (tests drive the model without an engine this way)."""
+        backend = backend or self.backend
         x = self.embed_tokens(input_ids)  # (N, C)
         # One lookup for all layers; positions past max_position_embeddings raise an IndexError here.
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (N, D)
