@@ -34,36 +34,41 @@ CATEGORIES = ("linear layers", "attention", "LM head", "other model ops", "sampl
 
 
 class Timers:
-    """Seconds per category, accumulated; ``wrap`` times a callable, ``hook`` a module."""
+    """Exclusive seconds per category: time spent in a timed call nested inside another timed
+    call (a linear layer inside the model's forward, detokenizing inside the scheduler's update)
+    counts for the inner one only. ``wrap`` times a callable, ``hook`` a module's forward."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[list] = []  # [name, start, seconds spent in nested timed calls]
+
+    def enter(self, name: str) -> None:
+        self._stack.append([name, time.perf_counter(), 0.0])
+
+    def exit(self) -> None:
+        name, start, inner = self._stack.pop()
+        total = time.perf_counter() - start
+        self.seconds[name] += total - inner
+        self.calls[name] += 1
+        if self._stack:
+            self._stack[-1][2] += total
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
-            t = time.perf_counter()
+            self.enter(name)
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - t
-                self.calls[name] += 1
+                self.exit()
 
-        timed.__wrapped__ = fn  # type: ignore[attr-defined]
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]  (inspect.signature sees fn's parameters)
         timed.__name__ = getattr(fn, "__name__", name)
         return timed
 
     def hook(self, name: str, module: nn.Module) -> list:
-        start: list[float] = []
-
-        def pre(_m, _a):
-            start.append(time.perf_counter())
-
-        def post(_m, _a, _o):
-            self.seconds[name] += time.perf_counter() - start.pop()
-            self.calls[name] += 1
-
-        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        return [module.register_forward_pre_hook(lambda _m, _a: self.enter(name)),
+                module.register_forward_hook(lambda _m, _a, _o: self.exit())]
 
 
 class _TimedSampler:
@@ -83,7 +88,7 @@ def _timing_backend(backend: Any, timers: Timers) -> Any:
     from ..attention import AttentionBackend
 
     return AttentionBackend(backend.name, timers.wrap("attention", backend.write_kv),
-                            timers.wrap("attention", backend.paged_attention))
+                            timers.wrap("attention", backend.paged_attention), backend.takes_num_decodes)
 
 
 def profile_engine(model, tokenizer, requests, max_num_seqs: int, max_num_batched_tokens: int = 2048,
@@ -129,13 +134,11 @@ def profile_engine(model, tokenizer, requests, max_num_seqs: int, max_num_batche
         for name in ("schedule", "update"):
             sched.__dict__.pop(name, None)
     sec = dict(timers.seconds)
-    fwd = sec.pop("model forward", 0.0)
-    # decode calls made by add_request (none expected) or outputs count as detokenizing wherever they happen
     shares = {
         "linear layers": sec.get("linear layers", 0.0),
         "attention": sec.get("attention", 0.0),
         "LM head": sec.get("LM head", 0.0),
-        "other model ops": max(0.0, fwd - sec.get("linear layers", 0.0) - sec.get("attention", 0.0)),
+        "other model ops": sec.get("model forward", 0.0),  # exclusive: the forward minus the timed calls inside
         "sampling": sec.get("sampling", 0.0),
         "scheduler": sec.get("scheduler", 0.0),
         "runner": sec.get("runner", 0.0),
@@ -181,7 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--attention", default="torch", choices=["torch", "reference", "auto"])
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 gives steadier shares on a busy machine")
     a = ap.parse_args(argv)
+    if a.threads is not None:
+        if a.threads < 1:
+            ap.error(f"--threads must be >= 1, got {a.threads}")
+        torch.set_num_threads(a.threads)
     try:
         batches = tuple(int(x) for x in a.batches.split(",") if x.strip())
     except ValueError:

@@ -281,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="minipaged,transformers,batch1", help="comma-separated subset")
     ap.add_argument("--attention", default="torch", choices=["torch", "reference", "auto"])
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 gives steadier shares on a busy machine")
     a = ap.parse_args(argv)
+    if a.threads is not None:
+        if a.threads < 1:
+            ap.error(f"--threads must be >= 1, got {a.threads}")
+        torch.set_num_threads(a.threads)
     for name, v in (("--num-requests", a.num_requests), ("--max-tokens", a.max_tokens), ("--batch-size", a.batch_size),
                     ("--max-num-batched-tokens", a.max_num_batched_tokens), ("--batch1-requests", a.batch1_requests)):
         if v < 1:
