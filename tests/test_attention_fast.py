@@ -35,8 +35,11 @@ def check(case, what: str, **kw) -> torch.Tensor:
 
 @pytest.fixture(params=["padded", "per_sequence"])
 def prefill_mode(request, monkeypatch):
-    """Run a test under each prefill strategy: always pad into one call, or never."""
-    monkeypatch.setattr(torch_sdpa, "PREFILL_PAD_LIMIT", float("inf") if request.param == "padded" else 0.0)
+    """Run a test under each strategy: prefills padded into one call and decodes in one call, or
+    prefills one call per sequence and decodes cut into groups whenever their lengths differ."""
+    padded = request.param == "padded"
+    monkeypatch.setattr(torch_sdpa, "PREFILL_PAD_LIMIT", float("inf") if padded else 0.0)
+    monkeypatch.setattr(torch_sdpa, "DECODE_PAD_LIMIT", float("inf") if padded else 1.0)
     return request.param
 
 
@@ -85,25 +88,52 @@ def test_single_prefill_and_single_token_prompt(prefill_mode):
     check(make_case([12], [12], 4, 2, 32, 16), f"one prefill ({prefill_mode})")
 
 
-def test_all_decodes_in_one_attention_call(monkeypatch):
-    """The batching contract: a decode batch of very different lengths is one SDPA call, not a loop."""
+def _count_sdpa_calls(monkeypatch) -> list:
     calls = []
     real = torch_sdpa._sdpa
 
     def counting(q, k, v, mask, scale):
-        calls.append(q.shape)
+        calls.append(tuple(q.shape))
         return real(q, k, v, mask, scale)
 
     monkeypatch.setattr(torch_sdpa, "_sdpa", counting)
-    ctx = [1, 3, 16, 17, 90, 200, 5, 64] * 5
+    return calls
+
+
+def test_all_decodes_in_one_attention_call(monkeypatch):
+    """The batching contract: a decode batch is one SDPA call, not a loop over sequences."""
+    calls = _count_sdpa_calls(monkeypatch)
+    ctx = [35, 40, 64, 90, 110, 47, 100, 36] * 8  # a chat batch: lengths within 2x of each other
     case = make_case(ctx, [1] * len(ctx), 9, 3, 64, 16)
-    check(case, "forty decodes", num_decodes=len(ctx))
-    assert len(calls) == 1 and calls[0][0] == len(ctx), f"expected one SDPA call for {len(ctx)} decodes, got {calls}"
+    check(case, "sixty-four decodes", num_decodes=len(ctx))
+    assert calls == [(len(ctx), 9, 1, 64)], f"expected one SDPA call for {len(ctx)} decodes, got {calls}"
     calls.clear()
     case = make_case([10, 20, 30, 12, 11], [1, 1, 10, 12, 3], 9, 3, 64, 16)
     monkeypatch.setattr(torch_sdpa, "PREFILL_PAD_LIMIT", float("inf"))
     check(case, "decodes + prefills", num_decodes=2)
     assert len(calls) == 2, f"expected one call for the decodes and one for the padded prefills, got {calls}"
+
+
+def test_very_unequal_decodes_take_a_few_calls_at_most(monkeypatch):
+    calls = _count_sdpa_calls(monkeypatch)
+    ctx = [1, 3, 16, 17, 90, 200, 5, 64] * 5
+    case = make_case(ctx, [1] * len(ctx), 9, 3, 64, 16)
+    check(case, "forty unequal decodes", num_decodes=len(ctx))
+    assert 1 < len(calls) <= torch_sdpa.DECODE_MAX_GROUPS, calls
+    assert sum(c[0] for c in calls) == len(ctx)
+
+
+@pytest.mark.parametrize("lens", [[5], [7] * 9, [1, 3, 16, 17, 90, 200, 5, 64] * 5, [500, 20, 20, 20], [1, 1000] * 30])
+@pytest.mark.parametrize("limit, most", [(2.0, 4), (1.0, 2), (1.5, 8)])
+def test_decode_groups_cover_each_sequence_once_within_the_limits(lens, limit, most):
+    groups = torch_sdpa.decode_groups(lens, limit, most)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    assert 1 <= len(groups) <= most
+    if len(lens) * max(lens) <= limit * sum(lens):
+        assert len(groups) == 1
+    for g in groups[:-1]:  # the last group takes the rest; the others keep within the limit
+        assert len(g) * max(lens[i] for i in g) <= limit * sum(lens[i] for i in g)
+    assert torch_sdpa.decode_groups([], limit, most) == []
 
 
 def test_out_none_and_dtype():

@@ -5,7 +5,9 @@ who runs; reference.py remains the oracle it is tested against (tests/test_atten
 
 - Decode: ONE call per layer covers every decode sequence. Their blocks are gathered with one
   ``index_select`` through the block table into a padded (S, H_kv, C, D) view, and one
-  ``scaled_dot_product_attention`` with a length mask attends all S queries at once.
+  ``scaled_dot_product_attention`` with a length mask attends all S queries at once. Only when
+  contexts are so unequal that padding would more than double the work (``DECODE_PAD_LIMIT``)
+  are they cut into at most ``DECODE_MAX_GROUPS`` calls of similar lengths.
 - Prefill and chunked prefill: batched the same way (queries padded to the longest new chunk,
   keys to the longest context, a causal-with-offset mask) when padding wastes at most
   ``PREFILL_PAD_LIMIT`` times the real work; otherwise one SDPA call per sequence.
@@ -21,6 +23,10 @@ import torch.nn.functional as F
 # Batch the prefills into one padded call while padded work <= this x the real work
 # (sum of q_len * context_len). Above it, one call per sequence wastes less.
 PREFILL_PAD_LIMIT = 2.0
+# Decodes: one call while padding every context to the longest costs <= this x the real work;
+# past it (very unequal contexts) at most DECODE_MAX_GROUPS calls, longest contexts together.
+DECODE_PAD_LIMIT = 2.0
+DECODE_MAX_GROUPS = 4
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -105,6 +111,30 @@ def _prefill_padded(q, k_cache, v_cache, block_tables, context_lens, q_lens, sca
     return o.transpose(1, 2).reshape(P * q_max, H, D).index_select(0, padded_row)
 
 
+def decode_groups(context_lens: list[int], pad_limit: float | None = None, max_groups: int | None = None) -> list[list[int]]:
+    """Which decode sequences to attend together: one group (one SDPA call) unless padding every
+    context to the longest would do more than ``pad_limit`` x the real work; then the sequences,
+    longest first, are cut into at most ``max_groups`` groups that each keep within the limit
+    (the last takes the rest). Returns lists of indices into ``context_lens``."""
+    pad_limit = DECODE_PAD_LIMIT if pad_limit is None else pad_limit
+    max_groups = DECODE_MAX_GROUPS if max_groups is None else max_groups
+    n = len(context_lens)
+    if n == 0:
+        return []
+    if n * max(context_lens) <= pad_limit * sum(context_lens):
+        return [list(range(n))]
+    order = sorted(range(n), key=lambda i: -context_lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and (len(groups) == max_groups or
+                              (len(g) + 1) * context_lens[g[0]] <= pad_limit * (sum(context_lens[j] for j in g) + context_lens[i])):
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
@@ -151,17 +181,20 @@ def paged_attention(
             decodes = ones
             rest = [s for s, n in enumerate(q_lens) if n != 1]
     if num_decodes:
-        if decodes is None:
-            d_bt, d_ctx = block_tables[:num_decodes], context_lens[:num_decodes]
-            c_max = max(ctx[:num_decodes])
-            o = decode_attention(q[:num_decodes], k_cache, v_cache, d_bt, d_ctx, scale, c_max)
+        dec = list(range(num_decodes)) if decodes is None else decodes
+        groups = decode_groups([ctx[s] for s in dec])
+        if len(groups) == 1 and decodes is None:  # the common case: one call, no row shuffling
+            o = decode_attention(q[:num_decodes], k_cache, v_cache, block_tables[:num_decodes],
+                                 context_lens[:num_decodes], scale, max(ctx[:num_decodes]))
             out[:num_decodes] = o.to(out.dtype)
         else:
-            idx = torch.tensor(decodes, dtype=torch.long, device=q.device)
-            rows = torch.tensor([qsl[s] for s in decodes], dtype=torch.long, device=q.device)
-            c_max = max(ctx[s] for s in decodes)
-            o = decode_attention(q[rows], k_cache, v_cache, block_tables[idx], context_lens[idx], scale, c_max)
-            out[rows] = o.to(out.dtype)
+            for group in groups:
+                seqs = [dec[i] for i in group]
+                idx = torch.tensor(seqs, dtype=torch.long, device=q.device)
+                rows = torch.tensor([qsl[s] for s in seqs], dtype=torch.long, device=q.device)
+                o = decode_attention(q[rows], k_cache, v_cache, block_tables[idx], context_lens[idx], scale,
+                                     max(ctx[s] for s in seqs))
+                out[rows] = o.to(out.dtype)
     rest = [s for s in rest if q_lens[s] > 0]  # a sequence with no new token has nothing to attend
     if not rest:
         return out
