@@ -115,3 +115,11 @@ def test_speed_cli_refuses_bad_arguments(argv, msg, capsys):
     with pytest.raises(SystemExit):
         speed.main(argv)
     assert msg in capsys.readouterr().err
+
+
+def test_a_failing_llama_cpp_run_is_reported_not_fatal(tmp_path):
+    """llama.cpp runs in a child process: its failure (here: no such file) becomes a 'skipped' entry."""
+    d = speed.run_batch1_llama_cpp(tmp_path / "missing.gguf", [Request([1, 2], 4)], threads=1, timeout_s=120)
+    assert "output_tokens_per_s" not in d and "exit status 1" in d["skipped"]
+    with pytest.raises(ValueError, match="one max_tokens"):
+        speed.run_batch1_llama_cpp(tmp_path / "missing.gguf", [Request([1], 4), Request([1], 5)], threads=1)

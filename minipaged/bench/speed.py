@@ -126,33 +126,64 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def run_batch1_llama_cpp(gguf_path: Path, requests: list[Request], threads: int) -> dict:
-    """llama.cpp (llama-cpp-python) on the same GGUF file, one request at a time, greedy, EOS ignored."""
-    from llama_cpp import Llama
+_LLAMA_CPP_SCRIPT = r"""
+import json, sys, time
+from llama_cpp import Llama
 
-    n_ctx = max(len(r.prompt_token_ids) + r.max_tokens for r in requests) + 8
-    llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False, seed=0)
+args = json.loads(sys.argv[1])
+prompts, max_tokens = args["prompts"], args["max_tokens"]
+llm = Llama(model_path=args["path"], n_ctx=max(len(p) for p in prompts) + max_tokens + 8, n_threads=args["threads"],
+            n_batch=512, verbose=False, seed=0)
 
-    def one(r: Request) -> int:
-        llm.reset()
-        n = 0
-        for _ in llm.generate(r.prompt_token_ids, temp=0.0, top_k=1, reset=True):  # never stops on EOS by itself
-            n += 1
-            if n == r.max_tokens:
-                break
-        return n
+def one(prompt):
+    llm.reset()
+    n = 0
+    for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):  # generate() never stops on EOS by itself
+        n += 1
+        if n == max_tokens:
+            break
+    return n
 
-    one(requests[0])  # warm-up
-    tokens, t = 0, time.perf_counter()
-    for r in requests:
-        tokens += one(r)
-    seconds = time.perf_counter() - t
-    return {"requests": len(requests), "output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds,
-            "weights": f"{gguf_path.name} as stored (llama.cpp computes on the quantized blocks; minipaged on fp32 copies)",
-            "threads": threads}
+one(prompts[0])  # warm-up
+t = time.perf_counter()
+tokens = sum(one(p) for p in prompts)
+print(json.dumps({"output_tokens": tokens, "seconds": time.perf_counter() - t}))
+"""
+
+
+def run_batch1_llama_cpp(gguf_path: Path, requests: list[Request], threads: int, timeout_s: float = 600.0) -> dict:
+    """llama.cpp (llama-cpp-python) on the same GGUF file, one request at a time, greedy, EOS ignored.
+
+    It runs in a child process: a crash inside llama.cpp (a native library) must not take the
+    other figures of the run with it; it is reported as skipped, with the exit status."""
+    import subprocess
+
+    if len({r.max_tokens for r in requests}) != 1:
+        raise ValueError("the batch-1 comparison wants one max_tokens for every request")
+    args = json.dumps({"path": str(gguf_path), "prompts": [list(r.prompt_token_ids) for r in requests],
+                       "max_tokens": requests[0].max_tokens, "threads": threads})
+    try:
+        p = subprocess.run([sys.executable, "-c", _LLAMA_CPP_SCRIPT, args], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"llama.cpp did not finish within {timeout_s:.0f} s"}
+    if p.returncode != 0:
+        why = f"signal {-p.returncode}" if p.returncode < 0 else f"exit status {p.returncode}"
+        tail = (p.stderr or "").strip().splitlines()[-1:] or [""]
+        return {"skipped": f"llama-cpp-python is installed but its run failed ({why}) {tail[0]}".strip()}
+    d = json.loads(p.stdout.strip().splitlines()[-1])
+    d.update(requests=len(requests), output_tokens_per_s=d["output_tokens"] / d["seconds"], threads=threads,
+             weights=f"{gguf_path.name} as stored (llama.cpp computes on the quantized blocks; minipaged on fp32 copies)")
+    return d
 
 
 # -- the whole run ----------------------------------------------------------------------------
+def _say(name: str, d: dict) -> None:
+    """One line per finished system on stderr, so a long run shows its figures as they come."""
+    if "output_tokens_per_s" in d:
+        print(f"[bench speed] {name}: {d['output_tokens_per_s']:.1f} tok/s ({d['output_tokens']} tokens in {d['seconds']:.1f} s)",
+              file=sys.stderr, flush=True)
+
+
 def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64, max_num_batched_tokens: int = 2048,
               batch1_requests: int = 4, systems: tuple[str, ...] = ("minipaged", "transformers", "batch1"),
               attention: str = "torch", check_outputs: bool = True) -> dict:
@@ -180,6 +211,7 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
         d = run_minipaged(model, tok, wl.requests, batch_size, max_num_batched_tokens, attention=attention)
         token_ids = d.pop("token_ids")
         S["minipaged"] = dict(d, batch_size=batch_size, max_num_batched_tokens=max_num_batched_tokens, attention=attention)
+        _say("minipaged", S["minipaged"])
     if "transformers" in systems:
         from .serving import load_hf_peer
 
@@ -188,6 +220,7 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
             S["transformers"] = {"skipped": "transformers is not installed (pip install 'minipaged[course]')"}
         else:
             S["transformers"] = run_transformers(hf, wl.requests, batch_size)
+            _say("transformers", S["transformers"])
             if check_outputs and "minipaged" in S:
                 hf_ids = _hf_greedy_ids(hf, wl.requests[:1])
                 S["transformers"]["first_request_equal_greedy_tokens"] = hf_ids[0] == token_ids[0]
@@ -204,11 +237,10 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
     if "batch1" in systems:
         reqs = wl.requests[:batch1_requests]
         S["minipaged_batch1"] = run_batch1_minipaged(model, tok, reqs, attention=attention)
+        _say("minipaged_batch1", S["minipaged_batch1"])
         if llama_cpp_available():
-            try:
-                S["llama_cpp_batch1"] = run_batch1_llama_cpp(default_model_path(), reqs, torch.get_num_threads())
-            except Exception as e:  # a broken build must not lose the other figures
-                S["llama_cpp_batch1"] = {"skipped": f"llama-cpp-python failed: {type(e).__name__}: {e}"}
+            S["llama_cpp_batch1"] = run_batch1_llama_cpp(default_model_path(), reqs, torch.get_num_threads())
+            _say("llama_cpp_batch1", S["llama_cpp_batch1"])
         else:
             S["llama_cpp_batch1"] = {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python; it compiles llama.cpp)"}
     res["ratios"] = ratios(res)
