@@ -222,8 +222,15 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
             S["transformers"] = run_transformers(hf, wl.requests, batch_size)
             _say("transformers", S["transformers"])
             if check_outputs and "minipaged" in S:
-                hf_ids = _hf_greedy_ids(hf, wl.requests[:1])
-                S["transformers"]["first_request_equal_greedy_tokens"] = hf_ids[0] == token_ids[0]
+                # generate's min_new_tokens forbids EOS, while ignore_eos lets it be sampled and goes on:
+                # the two runs are the same work, and their tokens agree up to minipaged's first EOS
+                hf_ids = _hf_greedy_ids(hf, wl.requests[:1])[0]
+                mine = token_ids[0]
+                same = next((i for i, (a, b) in enumerate(zip(mine, hf_ids)) if a != b), len(mine))
+                eos = set(model.config.eos_token_ids or ())
+                first_eos = next((i for i, t in enumerate(mine) if t in eos), len(mine))
+                S["transformers"]["greedy_check"] = {
+                    "equal_tokens": same, "minipaged_first_eos": first_eos, "agree_until_eos": same >= first_eos}
             del hf
     gemm_after = gemm_rate()
     gemm = max(gemm_before, gemm_after)
