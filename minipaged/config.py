@@ -1,6 +1,6 @@
 """One engine configuration and one record of injected parts.
 
-Owns the knobs: every setting the engine, ``trace.simulate``, the bench and the checks share
+Owns the knobs: every setting the engine, ``bench.simulate``, the bench and the checks share
 is a field of :class:`EngineConfig`, declared once here. The parts a learner can swap in are
 the fields of :class:`Parts`. ``split_kwargs`` turns ``LLM(**kw)`` into the two, refusing an
 unknown keyword with the nearest valid one.

@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from .parts import cdiv
+
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
@@ -138,7 +140,7 @@ def plan_num_blocks(config, num_layers: int, num_kv_heads: int, head_dim: int, m
         asked = budget
         what = f"kv_cache_bytes={budget} ({budget / 2**30:.2f} GiB)"
         n = num_blocks_for_budget(budget, num_layers, num_kv_heads, head_dim, bs, dtype)
-        n = min(n, config.max_num_seqs * -(-max_model_len // bs))  # more could never be used
+        n = min(n, config.max_num_seqs * cdiv(max_model_len, bs))  # more could never be used
     if asked > 0.9 * avail:
         raise ValueError(
             f"{what} is more than the memory available for it on {torch.device(device)}: "

@@ -1,23 +1,22 @@
-"""A per-step record of the scheduler's state, and simulated runs that produce one without a model.
+"""A per-step record of the scheduler's state: what the pictures and the bench read.
 
 Owns what the pictures need: who runs and waits, which physical block belongs to whom, reserved
 vs used KV slots, and a stable batch slot per request for a Gantt chart. It only reads the
-scheduler; it never changes it. ``simulate`` drives the real Scheduler with a fake model;
-``simulate_static`` plays static batching over a contiguous cache on the same requests.
+scheduler (its queues, its output's ``ScheduledSeq`` fields, the pool through
+``minipaged.parts``); it never changes it and never reads allocator internals. The simulators
+that produce a trace without a model live in ``minipaged.bench.simulate``.
 """
 from __future__ import annotations
 
 import heapq
-import math
-import random
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence as Seq
+from typing import TYPE_CHECKING, Any
 
-from .block_allocator import BlockAllocator
-from .block_table import BlockTable
-from .scheduler import Scheduler, SchedulerOutput
-from .parts import check_scheduler
-from .sequence import Sequence
+from . import parts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .scheduler import SchedulerOutput
+    from .sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -87,10 +86,9 @@ class Trace:
         self._next_slot = 0
         self._open: dict[Any, dict] = {}
         self._closed: list[dict] = []
-        self._outputs_seen: dict[Any, int] = {}
 
     # -- recording -------------------------------------------------------------------------
-    def record(self, scheduler: Scheduler, output: SchedulerOutput, time: float) -> StepRecord:
+    def record(self, scheduler: Any, output: "SchedulerOutput", time: float) -> StepRecord:
         alloc = scheduler.allocator
         if self.num_blocks is None:
             self.num_blocks, self.block_size = alloc.num_blocks, alloc.block_size
@@ -113,21 +111,15 @@ class Trace:
             used += min(seq.num_computed_tokens, table.num_tokens)
 
         prefill = decode = sampled = 0
-        active: dict[Any, Sequence] = {}
+        active: dict[Any, "Sequence"] = {}
         for s in output.scheduled:
             seq = s.seq
             active.setdefault(seq.seq_id, seq)
-            if s.num_new_tokens == 1 and s.start >= seq.num_prompt_tokens:
-                decode += 1
-            else:
+            if is_prefill(s):
                 prefill += s.num_new_tokens
-            # After update() a sampled token is already appended, so count outputs instead of
-            # asking ScheduledSeq.samples (which looks at the sequence as it is now).
-            n_out = len(seq.output_token_ids)
-            sampled += n_out - self._outputs_seen.get(seq.seq_id, 0)
-            self._outputs_seen[seq.seq_id] = n_out
-            if seq.is_finished:
-                del self._outputs_seen[seq.seq_id]
+            else:
+                decode += 1
+            sampled += bool(s.samples)  # decided when the step was scheduled
         for seq in scheduler.running:
             active.setdefault(seq.seq_id, seq)
 
@@ -152,7 +144,7 @@ class Trace:
             batch=tuple(s.seq.seq_id for s in output.scheduled),
             prefill_tokens=prefill, decode_tokens=decode, sampled_tokens=sampled,
             preemptions=scheduler.num_preemptions, reserved_slots=reserved, used_slots=used, slots=slots,
-            blocks_used=alloc.num_blocks - alloc.num_free_blocks, blocks_free=alloc.num_free_blocks, owners=owners, tables=tables,
+            blocks_used=parts.num_used_blocks(alloc), blocks_free=alloc.num_free_blocks, owners=owners, tables=tables,
         )
         self.steps.append(rec)
         return rec
@@ -260,144 +252,21 @@ class Trace:
                 f"KV waste {self.kv_waste():.1%})")
 
 
-# -- simulated runs ----------------------------------------------------------------------
-StepTime = Callable[[int, int], float]  # (prefill tokens, decode tokens) -> seconds of the step
 
 
-def sample_requests(
-    n: int,
-    seed: int = 0,
-    prompt_len: tuple[int, int] = (8, 64),
-    output_median: int = 24,
-    output_max: int = 256,
-    sigma: float = 1.0,
-) -> list[tuple[int, int]]:
-    """``n`` (prompt_len, output_len) pairs: prompts uniform, outputs log-normal (a long tail).
-
-    Real chat traffic looks like this: most answers are short, a few are very long, and a
-    contiguous cache has to reserve for the longest.
-    """
-    rng = random.Random(seed)
-    lo, hi = prompt_len
-    return [
-        (rng.randint(lo, hi), max(1, min(output_max, int(round(rng.lognormvariate(math.log(output_median), sigma))))))
-        for _ in range(n)
-    ]
+def is_prefill(s: Any) -> bool:
+    """Whether a scheduled record computes prompt (or recomputed) tokens rather than one decode
+    token: the scheduler's ``ScheduledSeq.is_prefill``, read, never recomputed."""
+    return bool(s.is_prefill)
 
 
-def simulate(
-    requests: Seq[tuple[int, int]],
-    num_blocks: int,
-    block_size: int = 16,
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 256,
-    arrivals: Seq[int] | None = None,
-    seed: int = 0,
-    enable_chunked_prefill: bool = True,
-    step_time: StepTime | None = None,
-    vocab_size: int = 1000,
-    check_invariants: bool = False,
-    allocator_cls: type = BlockAllocator,
-    block_table_cls: type = BlockTable,
-    scheduler_cls: type = Scheduler,
-    max_steps: int | None = None,
-) -> Trace:
-    """Run the real Scheduler on ``requests`` (list of (prompt_len, output_len)) with a fake model.
-
-    The fake model samples random token ids and EOS is ignored, so every request produces
-    exactly ``output_len`` tokens. ``arrivals[i]`` is the step at which request ``i`` arrives
-    (default: all at step 0). Time is one unit per step unless ``step_time`` says otherwise.
-    Request ``i`` gets seq_id ``i``; requests that can never fit are in ``trace.rejected``.
-    """
-    n = len(requests)
-    arrivals = [0] * n if arrivals is None else list(arrivals)
-    if len(arrivals) != n:
-        raise ValueError(f"got {len(arrivals)} arrival steps for {n} requests: give one per request")
-    rng = random.Random(seed)
-    alloc = allocator_cls(num_blocks, block_size)
-    sched = scheduler_cls(alloc, block_table_cls=block_table_cls, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill)
-    trace = Trace(kind="paged")
-    trace.meta.update(requests=[tuple(r) for r in requests], arrivals=arrivals, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens, time_unit="s" if step_time else "steps")
-    pending = sorted(range(n), key=lambda i: (arrivals[i], i))
-    if max_steps is None:
-        max_steps = 10 * (sum(p + o for p, o in requests) + max(arrivals, default=0) + 10)
-    t, step, k = 0.0, 0, 0
-    while k < len(pending) or sched.has_unfinished():
-        while k < len(pending) and arrivals[pending[k]] <= step:
-            i = pending[k]
-            p, o = requests[i]
-            seq = Sequence(i, [rng.randrange(vocab_size) for _ in range(p)], max_tokens=o, ignore_eos=True)
-            if not sched.add_request(seq):
-                trace.rejected.append((i, seq.reject_reason))
-            k += 1
-        out = sched.schedule()
-        if out.is_empty and not sched.running and sched.waiting and k == len(pending):
-            raise RuntimeError(f"the scheduler admits nothing although {len(sched.waiting)} request(s) wait and "
-                               "nothing runs: check its admission rule")
-        sampled = {s.seq.seq_id: rng.randrange(vocab_size) for s in out.scheduled if s.samples}
-        sched.update(out, sampled)
-        if check_invariants:
-            check_scheduler(sched)
-        pf = sum(s.num_new_tokens for s in out.scheduled if not (s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens))
-        t += step_time(pf, out.num_batched_tokens - pf) if step_time else 1.0
-        trace.record(sched, out, t)
-        step += 1
-        if step >= max_steps:
-            raise RuntimeError(f"simulation did not finish in {max_steps} steps: is a request stuck?")
-    return trace
+_MOVED = {"sample_requests", "simulate", "simulate_static", "StepTime"}
 
 
-def simulate_static(
-    requests: Seq[tuple[int, int]],
-    batch_size: int,
-    max_len: int | None = None,
-    step_time: StepTime | None = None,
-) -> Trace:
-    """Static batching on a contiguous cache: the baseline continuous batching is measured against.
+def __getattr__(name: str) -> Any:
+    # The simulators moved to minipaged.bench.simulate; older notebooks still import them from here.
+    if name in _MOVED:
+        from .bench import simulate as _sim
 
-    Requests go in fixed batches of ``batch_size`` in order. Prompts are padded to the batch's
-    longest; the batch runs until its longest output is done, and only then does the next batch
-    start. Every request's slot reserves ``max_len`` KV slots (default: the most any request
-    needs, prompt + output - 1) for the whole batch. Time is one unit per step unless
-    ``step_time`` says otherwise; a step is one forward pass of the whole padded batch.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    reqs = [tuple(r) for r in requests]
-    batches = [list(range(i, min(i + batch_size, len(reqs)))) for i in range(0, len(reqs), batch_size)]
-    need = max((max(reqs[j][0] for j in b) + max(reqs[j][1] for j in b) - 1 for b in batches), default=1)
-    max_len = need if max_len is None else max_len
-    if need > max_len:
-        raise ValueError(f"a padded batch needs {need} KV slots per request but max_len={max_len}: raise max_len")
-    trace = Trace(kind="static")
-    trace.max_len = max_len
-    trace.meta.update(requests=reqs, batch_size=batch_size, time_unit="s" if step_time else "steps")
-    t, step = 0.0, 0
-    for bi, batch in enumerate(batches):
-        p_max = max(reqs[j][0] for j in batch)
-        n_steps = max(reqs[j][1] for j in batch)
-        waiting = tuple(j for later in batches[bi + 1:] for j in later)
-        slots = {j: s for s, j in enumerate(batch)}
-        t_batch = t
-        for k in range(n_steps):
-            prefill = len(batch) * p_max if k == 0 else 0
-            decode = 0 if k == 0 else len(batch)  # finished rows still compute (padding)
-            t += step_time(prefill, decode) if step_time else 1.0
-            trace.steps.append(StepRecord(
-                step=step, time=t, running=tuple(batch), waiting=waiting, batch=tuple(batch),
-                prefill_tokens=prefill, decode_tokens=decode,
-                sampled_tokens=sum(1 for j in batch if k < reqs[j][1]), preemptions=0,
-                reserved_slots=len(batch) * max_len,
-                used_slots=sum(min(reqs[j][0] + k, reqs[j][0] + reqs[j][1] - 1) for j in batch),
-                slots=slots,
-            ))
-            step += 1
-        for s, j in enumerate(batch):
-            o = reqs[j][1]
-            trace._closed.append({
-                "request": j, "slot": s, "start": step - n_steps, "end": step, "start_time": t_batch, "end_time": t,
-                "finish": step - n_steps + o, "finish_time": trace.steps[step - n_steps + o - 1].time, "outcome": "length",
-            })
-    return trace
+        return getattr(_sim, name)
+    raise AttributeError(f"module 'minipaged.trace' has no attribute {name!r}")

@@ -306,7 +306,7 @@ def page_table_explorer(trace: Trace, step: int | None = None, static: bool | No
     """
     if not isinstance(trace, Trace) or trace.kind != "paged" or not trace.steps:
         raise ValueError("page_table_explorer needs a paged Trace with at least one step: "
-                         "use minipaged.trace.simulate(...) or an engine's .trace")
+                         "use minipaged.bench.simulate.simulate(...) or an engine's .trace")
     start = trace.peak_step if step is None else int(step)
     return PageTableExplorer(trace, {"step": start}, static)._build()
 

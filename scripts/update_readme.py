@@ -50,42 +50,90 @@ def timings_block() -> str:
     return p.read_text().strip() if p.exists() else "(run `make notebooks` to measure)"
 
 
+def _x(v: float | None) -> str:
+    return f"{v:.2f}x" if v is not None else "-"
+
+
 def bench_block() -> str:
     p = ROOT / "docs" / "figures" / "bench.json"
     if not p.exists():
         return "(run `make bench` to measure)"
     r = json.loads(p.read_text())
-    from minipaged.bench.serving import format_table
+    from minipaged.bench.serving import format_attribution, format_online, format_table
 
-    w, kb, c = r["workload"], r["kv_budget"], r["ceiling"]
+    w, kb, c, S = r["workload"], r["kv_budget"], r["ceiling"], r["systems"]
     lines = [
         f"Command: `{r.get('command', 'minipaged bench')}` on {r['machine']['cpus']} CPU cores, "
-        f"torch {r['machine']['torch']}, model {r['model']['name']} (fp32).",
+        f"torch {r['machine']['torch']}, model {r['model']['name']} (fp32)"
+        + (f"; the whole bench took {r['bench_seconds'] / 60:.0f} min" if r.get("bench_seconds") else "") + ".",
         "",
         f"Workload: {w['description']}.",
-        f"KV budget for static and continuous alike: {kb['mib']:.0f} MiB ({kb['note']}).",
+        f"KV budget, the same for every minipaged system: {kb['blocks']} blocks of {kb['block_size']} tokens = "
+        f"{kb['mib']:.0f} MiB ({kb['note']}).",
         "",
         "```",
         format_table(r),
         "```",
         "",
-        f"- continuous batching: **{r['systems']['continuous'].get('x_static', 0):.2f}x** static batching and "
-        f"**{r['systems']['continuous'].get('x_naive', 0):.2f}x** naive in output tokens/s"
-        + (f"; **{r['systems']['continuous']['output_tokens_per_s'] / r['systems']['hf']['output_tokens_per_s']:.2f}x** `transformers.generate`"
-           f" at batch {r['systems']['hf']['peak_concurrent_seqs']}" if "hf" in r["systems"] else "")
-        + ".",
-        f"- KV waste: paged **{r['systems']['continuous']['kv_waste'] * 100:.1f}%** vs contiguous max-length "
-        f"reservation **{r['systems']['static']['kv_waste'] * 100:.1f}%**.",
-        f"- Same KV memory: paged held **{r.get('concurrency_ratio', 0):.1f}x** as many sequences at once"
-        + (" (every request of the workload at once: the pool had room for more)"
-           if r["systems"]["continuous"]["peak_concurrent_seqs"] == w["num_requests"] else "") + ".",
-        f"- This machine's fp32 GEMM runs at {c['gemm_gflops']:.0f} GFLOP/s: a compute-bound limit of "
-        f"{c['compute_bound_tokens_per_s']:.0f} tokens/s for this model; continuous batching reached "
-        f"{r['systems']['continuous']['fraction_of_compute_bound'] * 100:.0f}% of it.",
     ]
-    if "naive" in r["systems"] and r["systems"]["naive"].get("note"):
-        lines.append(f"- naive: {r['systems']['naive']['note']}.")
+    att = r.get("attribution", {})
+    if att:
+        lines += [
+            "What each idea buys (ratios of output tokens/s; each changes one thing):",
+            "",
+            "| gain | ratio | cells compared |",
+            "| --- | --- | --- |",
+        ]
+        for key, a in att.items():
+            lines.append(f"| {a['isolates']} | **{a['ratio']:.2f}x** | {a['of'].replace('_', ' ')} |")
+        lines.append("")
+    tok = r.get("tokens")
+    if tok:
+        bad = {k: v for k, v in tok["systems"].items() if v["equal"] != v["compared"]}
+        lines.append(f"- Greedy tokens: " + ("every system produced the same tokens as "
+                     f"{tok['reference']} on every request compared." if not bad else
+                     "; ".join(f"{k} matched {tok['reference']} on {v['equal']} of {v['compared']} requests" for k, v in bad.items()) + "."))
+    if "continuous_paged" in S and "static_contiguous" in S:
+        sp_w = f" and {S['static_paged']['kv_waste'] * 100:.1f}% (static)" if "static_paged" in S else ""
+        lines.append(f"- KV waste: paged **{S['continuous_paged']['kv_waste'] * 100:.1f}%** (continuous){sp_w} vs contiguous max-length reservation "
+                     f"**{S['static_contiguous']['kv_waste'] * 100:.1f}%**; the same memory held "
+                     f"**{r.get('concurrency_ratio', 0):.1f}x** as many sequences at once.")
+    if "naive" in S:
+        lines.append(f"- continuous_paged: **{_x(S.get('continuous_paged', {}).get('x_naive'))}** naive"
+                     + (f", **{S['continuous_paged']['output_tokens_per_s'] / S['hf']['output_tokens_per_s']:.2f}x** "
+                        f"`transformers.generate` at batch {S['hf']['peak_concurrent_seqs']}" if "hf" in S and "continuous_paged" in S else "")
+                     + "." + (f" naive: {S['naive']['note']}; {S['naive']['latency_note']}." if S["naive"].get("note") else ""))
+    rf = r.get("roofline")
+    if rf:
+        meas = rf.get("measured_compute_bound_batch")
+        lines.append(
+            f"- This machine: fp32 GEMM {c['gemm_gflops']:.0f} GFLOP/s, memory read {rf['bandwidth']['read_GBps']:.1f} GB/s "
+            f"(copy {rf['bandwidth']['copy_GBps']:.1f} GB/s), ridge {rf['ridge_flops_per_byte']:.1f} flops/byte: decode turns "
+            f"compute-bound at batch ~{rf['predicted_compute_bound_batch']:.0f} by the roofline, "
+            + (f"~{meas:.0f} measured" if meas else "not within the batches measured")
+            + f". Compute-bound limit {c['compute_bound_tokens_per_s']:.0f} tokens/s for this model; continuous_paged reached "
+            f"{S.get('continuous_paged', {}).get('fraction_of_compute_bound', 0) * 100:.0f}% of it.")
+    if r.get("online"):
+        lines += ["", "Online arrivals (Poisson), for the four systems:", "", "```", format_online(r), "```"]
+    sp = r.get("shared_prefix")
+    if sp and sp.get("measured"):
+        lines += ["", "Shared system prompt, prefix caching on vs off:", "", "```", json.dumps(sp, indent=1), "```"]
+    pictures = [(name, alt) for name, alt in FIGURES if (ROOT / "docs" / "figures" / name).exists()]
+    if pictures:
+        lines.append("")
+        lines += [f"![{alt}](docs/figures/{name})" for name, alt in pictures]
     return "\n".join(lines)
+
+
+# The bench's pictures, in the order the README shows them (those the last run wrote).
+FIGURES = [
+    ("attribution.png", "what paging and refilling each buy"),
+    ("online.png", "online arrivals: throughput, TTFT and goodput against the request rate"),
+    ("roofline.png", "the decode roofline of this machine"),
+    ("throughput.png", "throughput"),
+    ("timeline.png", "who holds each batch slot"),
+    ("kv_usage.png", "KV reserved vs used"),
+]
 
 
 BLOCKS = {"badges": badges_block, "timings": timings_block, "bench": bench_block}

@@ -164,27 +164,37 @@ def test_reference_parts_have_nothing_public_beyond_their_protocol():
     assert public == {"allocator", "block_size", "blocks", "num_tokens", "blocks_needed", "append_tokens", "slot_mapping", "free"}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("part", ["allocator", "block_table", "scheduler", "attention", "all"])
-def test_a_lean_part_serves_smollm2_with_the_reference_tokens(smollm2, part):
+def _serve(model, tok, **parts):
     from minipaged.engine import LLMEngine
 
-    model, tok = smollm2
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in ("Name a colour.", "What is 2+2?", "Say hi.")]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    lean = dict(allocator=dict(allocator_cls=LeanAllocator), block_table=dict(block_table_cls=LeanTable),
-                scheduler=dict(scheduler_cls=LeanScheduler), attention=dict(attention=lean_attention))
-    kw = {k: v for d in lean.values() for k, v in d.items()} if part == "all" else lean[part]
-    results = []
-    for parts in ({}, kw):
-        # a small pool and budget, so preemption and chunked prefill happen with the lean parts too
-        eng = LLMEngine(model, tok, block_size=4, num_blocks=18, max_num_batched_tokens=16, **parts)
-        ids = [eng.add_request(p, params) for p in prompts]
-        done = eng.run()
-        check_scheduler(eng.scheduler)
-        assert eng.allocator.num_free_blocks == eng.allocator.num_blocks
-        results.append([done[i].token_ids for i in ids])
-    assert results[1] == results[0]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    # a small pool and budget, so preemption and chunked prefill happen with the lean parts too
+    eng = LLMEngine(model, tok, block_size=4, num_blocks=18, max_num_batched_tokens=16, **parts)
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = eng.run()
+    check_scheduler(eng.scheduler)
+    assert eng.allocator.num_free_blocks == eng.allocator.num_blocks
+    return [done[i].token_ids for i in ids], eng.scheduler.num_preemptions
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(smollm2):
+    tokens, preemptions = _serve(*smollm2)
+    assert preemptions > 0, "the workload must make the engine preempt"
+    return tokens
+
+
+LEAN = dict(allocator=dict(allocator_cls=LeanAllocator), block_table=dict(block_table_cls=LeanTable),
+            scheduler=dict(scheduler_cls=LeanScheduler), attention=dict(attention=lean_attention))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["allocator", "block_table", "scheduler", "attention", "all"])
+def test_a_lean_part_serves_smollm2_with_the_reference_tokens(smollm2, reference_tokens, part):
+    kw = {k: v for d in LEAN.values() for k, v in d.items()} if part == "all" else LEAN[part]
+    tokens, _ = _serve(*smollm2, **kw)
+    assert tokens == reference_tokens
 
 
 def test_a_missing_member_is_named_when_the_engine_is_built(tiny_model):

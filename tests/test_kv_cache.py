@@ -135,3 +135,39 @@ def test_write_then_gather_by_block_table_round_trips(block_size, num_seqs, num_
             for p in rng.sample(range(lengths[s]), min(3, lengths[s])):
                 block, offset = t.blocks[p // t.block_size], p % t.block_size
                 assert torch.equal(cache.k[layer][block, offset], written[s][2 * layer][p])
+
+
+# -- sizing the pool from the configuration ----------------------------------------------------
+def test_plan_num_blocks_follows_the_config_and_the_model_shape(monkeypatch):
+    from minipaged import kv_cache
+    from minipaged.config import EngineConfig
+
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device="cpu": 64 * 2**30)
+    per_token = kv_bytes_per_token(30, 3, 64, torch.float32)  # SmolLM2-135M in fp32: 46,080 bytes
+    assert per_token == 2 * 30 * 3 * 64 * 4
+    shape = dict(num_layers=30, num_kv_heads=3, head_dim=64, max_model_len=2048)
+    # num_blocks wins over everything
+    assert kv_cache.plan_num_blocks(EngineConfig(num_blocks=7, kv_cache_bytes=10**9), **shape) == 7
+    # a budget: whole blocks only
+    cfg = EngineConfig(block_size=16, kv_cache_bytes=100 * per_token * 16 + 5)
+    assert kv_cache.plan_num_blocks(cfg, **shape) == 100
+    # never more than max_num_seqs full-length sequences could use
+    cfg = EngineConfig(block_size=16, kv_cache_bytes=2**30, max_num_seqs=2)
+    assert kv_cache.plan_num_blocks(cfg, **shape) == 2 * (2048 // 16)
+    # block size changes the count, bytes per block scale with it
+    cfg = EngineConfig(block_size=32, kv_cache_bytes=100 * per_token * 16)
+    assert kv_cache.plan_num_blocks(cfg, **shape) == 50
+
+
+def test_plan_num_blocks_refuses_a_budget_past_the_memory_there_is(monkeypatch):
+    from minipaged import kv_cache
+    from minipaged.config import EngineConfig
+
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device="cpu": 2**30)
+    shape = dict(num_layers=30, num_kv_heads=3, head_dim=64, max_model_len=2048)
+    with pytest.raises(ValueError, match=r"kv_cache_bytes=2147483648 \(2.00 GiB\) is more than the memory available.*1.00 GiB free"):
+        kv_cache.plan_num_blocks(EngineConfig(kv_cache_bytes=2**31), **shape)
+    with pytest.raises(ValueError, match=r"num_blocks=100000 .* is more than the memory available"):
+        kv_cache.plan_num_blocks(EngineConfig(num_blocks=100000), **shape)
+    with pytest.raises(ValueError, match="holds no block"):
+        kv_cache.plan_num_blocks(EngineConfig(kv_cache_bytes=10), **shape)

@@ -6,9 +6,11 @@ from collections import defaultdict
 
 import pytest
 
-from minipaged.parts import check_scheduler, num_used_blocks
-from minipaged import BlockAllocator, Scheduler, Sequence
-from minipaged.trace import Trace, sample_requests, simulate, simulate_static
+from minipaged import BlockAllocator, BlockTable, Scheduler, Sequence
+from minipaged import parts
+from minipaged.config import EngineConfig
+from minipaged.bench.simulate import make_scheduler, sample_requests, simulate, simulate_static
+from minipaged.trace import Trace
 
 REQS = sample_requests(40, seed=3, prompt_len=(8, 64), output_median=24, output_max=400)
 
@@ -32,7 +34,8 @@ def _check_slots(trace: Trace) -> None:
 
 def test_owners_agree_with_the_allocator_every_step():
     alloc = BlockAllocator(24, block_size=8)
-    sched = Scheduler(alloc, max_num_seqs=6, max_num_batched_tokens=40)
+    sched = make_scheduler(Scheduler, alloc, BlockTable,
+                           EngineConfig(block_size=8, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=40))
     for i, (p, o) in enumerate(REQS[:12]):
         sched.add_request(Sequence(i, list(range(p)), max_tokens=o, ignore_eos=True))
     trace = Trace()
@@ -42,8 +45,8 @@ def test_owners_agree_with_the_allocator_every_step():
         sched.update(out, {s.seq.seq_id: 7 for s in out.scheduled if s.samples})
         t += 1
         rec = trace.record(sched, out, t)
-        check_scheduler(sched)
-        assert rec.blocks_used == num_used_blocks(alloc) and rec.blocks_free == alloc.num_free_blocks
+        parts.check_scheduler(sched, 6)
+        assert rec.blocks_used == parts.num_used_blocks(alloc) and rec.blocks_free == alloc.num_free_blocks
         for b, owner in enumerate(rec.owners):
             assert (owner is None) == (alloc.ref_count(b) == 0), f"step {rec.step}, block {b}"
             assert not isinstance(owner, tuple), "no block is shared in this run"

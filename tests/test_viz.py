@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 from minipaged import BlockAllocator, Scheduler, Sequence
 from minipaged import memory as mem
 from minipaged import viz
-from minipaged.trace import sample_requests, simulate, simulate_static
+from minipaged.bench.simulate import sample_requests, simulate, simulate_static
 
 REQS = sample_requests(24, seed=5)
 

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from minipaged import memory as mem
 from minipaged import widgets
-from minipaged.trace import sample_requests, simulate, simulate_static
+from minipaged.bench.simulate import sample_requests, simulate, simulate_static
 
 ipywidgets = pytest.importorskip("ipywidgets")
 REQS = sample_requests(24, seed=11)
@@ -168,7 +168,7 @@ def test_in_a_kernel_widgets_and_static_pictures():
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     setup = ("from minipaged import widgets, viz\n"
-             "from minipaged.trace import simulate, simulate_static\n"
+             "from minipaged.bench.simulate import simulate, simulate_static\n"
              "R = [(20, 12), (8, 30), (40, 5), (16, 16)]\n"
              "t, s = simulate(R, num_blocks=16, block_size=8), simulate_static(R, batch_size=2)")
     apps = ["widgets.memory_calculator()", "widgets.page_table_explorer(t)", "widgets.batching_timeline(s, t)"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..parts import cdiv
+
 
 def gather_kv(
     cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
@@ -16,7 +18,7 @@ def gather_kv(
 ) -> torch.Tensor:
     """The first ``context_len`` tokens of one sequence, contiguous: (context_len, num_kv_heads, head_dim)."""
     block_size = cache.shape[1]
-    n_blocks = -(-context_len // block_size)
+    n_blocks = cdiv(context_len, block_size)
     blocks = cache[block_table[:n_blocks].long()]  # (n_blocks, block_size, H_kv, D)
     return blocks.reshape(-1, *cache.shape[2:])[:context_len]
 
@@ -89,7 +91,7 @@ def _decode_batched(
 ) -> torch.Tensor:
     S, H, D = q.shape
     block_size, H_kv = k_cache.shape[1], k_cache.shape[2]
-    n_blocks = -(-int(context_lens.max()) // block_size)
+    n_blocks = cdiv(int(context_lens.max()), block_size)
     bt = block_tables[:, :n_blocks].long()
     k = k_cache[bt].reshape(S, n_blocks * block_size, H_kv, D).float()  # (S, C, H_kv, D), padded
     v = v_cache[bt].reshape(S, n_blocks * block_size, H_kv, D).float()

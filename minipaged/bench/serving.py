@@ -1,8 +1,11 @@
-"""`minipaged bench`: naive vs static vs continuous batching (and transformers) on the same requests.
+"""`minipaged bench`: what paging and continuous batching each buy, on one workload and one KV budget.
 
-Owns the measurement: one seeded workload, every system on it in one run, the same KV
-budget for static and continuous, figures read from each system's own allocator state.
-Prints a table, writes JSON and PNG plots.
+Owns the experiment: one seeded workload; four systems from the factorial {contiguous, paged}
+memory x {static, continuous} batching, all given the same KV blocks; naive (one at a time) and
+transformers' ``generate`` beside them; the attribution of each ratio to its cause; an online
+sweep (Poisson arrivals at several rates: throughput, TTFT, TPOT, goodput under a stated SLO);
+this machine's bandwidth, GEMM rate and decode roofline. Prints a table, writes JSON and PNGs.
+The systems themselves are in ``baselines.py``; it only measures and reports them.
 """
 from __future__ import annotations
 
@@ -18,24 +21,35 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..baselines import BatchRun, run_naive, run_static
-from ..engine import LLMEngine
+from .. import parts
 from ..kv_cache import kv_bytes_per_token
-from ..sampling import SamplingParams
+from . import hardware
+from .baselines import FACTORIAL, ServeResult, load_hf_peer, run_hf, run_system
 from .workloads import Workload, chat_prompt_ids, synthetic
 
-
-# -- the machine's ceiling -----------------------------------------------------------------
-def gemm_gflops(n: int = 1024, repeats: int = 8) -> float:
-    """fp32 matmul rate of this machine (GFLOP/s), best of a few runs."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
+SYSTEMS = ("naive", *FACTORIAL, "hf")
+ATTRIBUTION = {
+    # name: (numerator, denominator, what the ratio isolates)
+    "paging_at_static": ("static_paged", "static_contiguous", "paging, batching fixed to static"),
+    "paging_at_continuous": ("continuous_paged", "continuous_contiguous", "paging, batching fixed to continuous"),
+    "refill_at_contiguous": ("continuous_contiguous", "static_contiguous", "refilling seats, memory fixed to contiguous"),
+    "refill_at_paged": ("continuous_paged", "static_paged", "refilling seats, memory fixed to paged"),
+    "both": ("continuous_paged", "static_contiguous", "paging and refilling together"),
+}
+# Workload shapes. Lengths are ShareGPT-like log-normals (workloads.DISTRIBUTIONS) with each
+# median multiplied by a scale. The quick run keeps the full shape's medians, caps outputs at 192
+# (long enough that paged waste stays near 4% at block size 16) and serves 32 requests; it runs
+# naive and the two corner systems (static_contiguous, continuous_paged), the full run all six.
+QUICK = dict(num_requests=32, static_batch=16, prompt_scale=1.0, output_scale=1.0, max_prompt=512, max_output=192,
+             naive_requests=4, online_requests=0, shared_prefix=False,
+             systems=("naive", "static_contiguous", "continuous_paged"))
+FULL = dict(num_requests=64, static_batch=16, prompt_scale=1.0, output_scale=1.0, max_prompt=512, max_output=384,
+            naive_requests=16, online_requests=16, shared_prefix=True,
+            systems=("naive", "static_contiguous", "static_paged", "continuous_contiguous", "continuous_paged", "hf"))
+# The online sweep serves its own, shorter requests (medians 48 and 29 tokens, another seed): a run at a low
+# rate costs about what serving them one at a time does, and the sweep runs 4 systems x 3 rates.
+ONLINE_SHAPE = dict(prompt_scale=0.5, output_scale=0.3, max_prompt=512, max_output=96)
+RATE_FACTORS = (0.5, 1.5, 4.0)  # online request rates, in units of naive's capacity on those requests
 
 
 def flops_per_token(model: torch.nn.Module, context_len: float) -> float:
@@ -49,141 +63,132 @@ def flops_per_token(model: torch.nn.Module, context_len: float) -> float:
     return 2 * n + attn
 
 
-# -- the systems ---------------------------------------------------------------------------
-def _summary(outputs_tokens: dict, ttft: dict, finish: dict, seconds: float, workload: Workload, ids: list[int]) -> dict:
-    out_tok = sum(workload.requests[i].max_tokens for i in ids)
-    in_tok = sum(len(workload.requests[i].prompt_token_ids) for i in ids)
-    got = sum(min(len(outputs_tokens[i]), workload.requests[i].max_tokens) for i in ids)
-    assert got == out_tok, f"a system generated {got} tokens where {out_tok} were asked for"
-    lat = np.array([finish[i] for i in ids])
-    tt = np.array([ttft[i] for i in ids])
+def gemm_gflops(n: int = 1024, repeats: int = 8) -> float:
+    return hardware.gemm_gflops(n, repeats)
+
+
+# -- reading a run -----------------------------------------------------------------------
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def latency_summary(res: ServeResult, requests: list, ids: list[int]) -> dict:
+    """Throughput and per-request latencies of ``ids`` (all of them must have finished)."""
+    missing = [i for i in ids if i not in res.finish]
+    if missing:
+        raise RuntimeError(f"{res.system}: {len(missing)} request(s) never finished (first: {missing[0]})")
+    got = sum(len(res.outputs[i]) for i in ids)
+    want = sum(requests[i][1] for i in ids)
+    if got != want:
+        raise RuntimeError(f"{res.system} generated {got} tokens where {want} were asked for")
+    ttft = [res.first_token[i] - res.arrival[i] for i in ids]
+    lat = [res.finish[i] - res.arrival[i] for i in ids]
+    tpot = [(res.finish[i] - res.first_token[i]) / (requests[i][1] - 1) for i in ids if requests[i][1] > 1]
+    in_tok = sum(len(requests[i][0]) for i in ids)
     return {
-        "num_requests": len(ids),
-        "output_tokens": out_tok,
-        "seconds": seconds,
-        "output_tokens_per_s": out_tok / seconds,
-        "total_tokens_per_s": (out_tok + in_tok) / seconds,
-        "ttft_p50_s": float(np.percentile(tt, 50)),
-        "ttft_p99_s": float(np.percentile(tt, 99)),
-        "latency_p50_s": float(np.percentile(lat, 50)),
-        "latency_p99_s": float(np.percentile(lat, 99)),
+        "num_requests": len(ids), "output_tokens": want, "seconds": res.seconds,
+        "output_tokens_per_s": want / res.seconds, "total_tokens_per_s": (want + in_tok) / res.seconds,
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
+        "latency_p50_s": _pct(lat, 50), "latency_p99_s": _pct(lat, 99),
     }
 
 
-def _memory(trace, bytes_per_token: int) -> dict:
-    """KV reserved vs used, read from what the system's own allocator held at every step."""
-    r = np.array([s.reserved_slots for s in trace.steps] or [0])
-    u = np.array([s.used_slots for s in trace.steps] or [0])
+def memory_summary(res: ServeResult, bytes_per_token: int) -> dict:
+    """KV reserved vs used, read from what the system's own pool held at every step."""
+    eng, tr = res.engine, res.trace
+    r = np.array([s.reserved_slots for s in tr.steps] or [0])
+    u = np.array([s.used_slots for s in tr.steps] or [0])
+    bs = eng.allocator.block_size
     return {
+        "kv_blocks": eng.allocator.num_blocks, "kv_mib": eng.allocator.num_blocks * bs * bytes_per_token / 2**20,
         "kv_reserved_peak_mib": float(r.max() * bytes_per_token / 2**20),
-        "kv_reserved_mean_mib": float(r.mean() * bytes_per_token / 2**20),
         "kv_used_peak_mib": float(u.max() * bytes_per_token / 2**20),
-        "kv_used_mean_mib": float(u.mean() * bytes_per_token / 2**20),
-        "kv_waste": float(trace.kv_waste()),
-        "peak_concurrent_seqs": int(trace.peak_concurrency),
+        "kv_waste": float(tr.kv_waste()), "peak_concurrent_seqs": int(tr.peak_concurrency),
+        "peak_blocks_used": tr.peak_blocks_used, "preemptions": int(eng.scheduler.num_preemptions),
     }
 
 
-def summarize_batch_run(run: BatchRun, workload: Workload, ids: list[int], bytes_per_token: int) -> dict:
-    d = _summary(run.outputs, run.first_token_time, run.finish_time, run.seconds, workload, ids)
-    d.update(_memory(run.trace, bytes_per_token))
-    return d
+def naive_extrapolated(res: ServeResult, requests: list, served: list[int]) -> dict:
+    """Naive's latencies for the whole workload from the subset it served (labelled as such).
+
+    Model-free: no performance model of the machine, only the measured mean seconds per output
+    token of the served requests; request ``i`` then takes its output tokens times that, FCFS
+    behind every request before it (all arrive at 0 in the offline run).
+    """
+    per_token = sum(res.finish[i] - (res.finish[served[k - 1]] if k else 0.0) for k, i in enumerate(served))
+    per_token /= sum(requests[i][1] for i in served)
+    first = float(np.mean([res.first_token[i] - (res.finish[served[k - 1]] if k else 0.0) for k, i in enumerate(served)]))
+    done = np.cumsum([requests[i][1] * per_token for i in range(len(requests))])
+    start = np.concatenate([[0.0], done[:-1]])
+    return {
+        "latency_p50_s": float(np.percentile(done, 50)), "latency_p99_s": float(np.percentile(done, 99)),
+        "ttft_p50_s": float(np.percentile(start + first, 50)), "ttft_p99_s": float(np.percentile(start + first, 99)),
+        "latency_note": f"latency and TTFT extrapolated to all {len(requests)} requests from the {len(served)} served "
+                        f"({per_token * 1e3:.1f} ms per output token measured; model-free: FCFS, one at a time)",
+    }
 
 
-def run_continuous(
-    model: torch.nn.Module,
-    workload: Workload,
-    num_blocks: int,
-    block_size: int = 16,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 1024,
-    attention: Any = "auto",
-    progress: bool = False,
-) -> tuple[dict, LLMEngine]:
-    """minipaged: continuous batching over the paged cache, greedy, EOS ignored."""
-    eng = LLMEngine(
-        model,
-        None,
-        attention=attention,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
-    ids = [eng.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)) for r in workload.requests]
-    eng.t0 = time.perf_counter()
-    for s in (r.seq for r in eng.requests.values()):
-        s.arrival_time = 0.0
-    done = eng.run(progress=progress, desc="continuous batching")
-    seconds = time.perf_counter() - eng.t0
-    rej = [o for o in done.values() if o.finish_reason == "rejected"]
-    if rej:
-        raise RuntimeError(f"{len(rej)} request(s) rejected by the engine: {rej[0].error}")
-    outs = {int(i): done[i].token_ids for i in ids}
-    ttft = {int(i): done[i].metrics["first_token_time"] for i in ids}
-    fin = {int(i): done[i].metrics["finish_time"] for i in ids}
-    d = _summary(outs, ttft, fin, seconds, workload, list(range(len(ids))))
-    d.update(_memory(eng.trace, eng.kv_bytes_per_token))
-    d["peak_blocks_used"] = int(eng.trace.peak_blocks_used)
-    d["preemptions"] = eng.scheduler.num_preemptions
-    return d, eng
+def compare_tokens(outputs: dict[str, dict[int, list[int]]], ref: str) -> dict[str, dict]:
+    """Per system: on how many of the requests both served, its greedy tokens equal ``ref``'s."""
+    out = {}
+    base = outputs[ref]
+    for name, o in outputs.items():
+        common = sorted(set(o) & set(base))
+        same = [i for i in common if o[i] == base[i]]
+        out[name] = {"compared": len(common), "equal": len(same),
+                     "first_different": next((i for i in common if o[i] != base[i]), None)}
+    return out
 
 
-def load_hf_peer(model_path: str | None = None):
-    """transformers' LlamaForCausalLM on the same weights, or None if transformers is absent."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return None
-    from transformers import AutoModelForCausalLM
-
-    from ..model import default_model_path
-
-    path = Path(model_path) if model_path else default_model_path()
-    if path.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+def attribution(S: dict) -> dict:
+    att = {}
+    for key, (num, den, what) in ATTRIBUTION.items():
+        if num in S and den in S:
+            att[key] = {"ratio": S[num]["output_tokens_per_s"] / S[den]["output_tokens_per_s"], "of": f"{num} / {den}",
+                        "isolates": what}
+    return att
 
 
-@torch.inference_mode()
-def run_hf(hf_model, workload: Workload, batch_size: int, pad_id: int = 0, progress: bool = False) -> dict:
-    """``transformers.generate`` on padded batches of ``batch_size``: the static-batching peer."""
-    reqs = workload.requests
-    ttft, fin, outs = {}, {}, {}
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+# -- the online sweep ----------------------------------------------------------------------
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """``n`` arrival times (s) of a Poisson process of ``rate`` requests per second, from 0."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return [0.0, *np.cumsum(gaps[1:]).tolist()]
 
-        bar = tqdm(total=len(reqs), desc="transformers.generate", unit="req")
-    t0 = time.perf_counter()
-    for b0 in range(0, len(reqs), batch_size):
-        batch = list(range(b0, min(b0 + batch_size, len(reqs))))
-        width = max(len(reqs[i].prompt_token_ids) for i in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, i in enumerate(batch):
-            p = reqs[i].prompt_token_ids
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        n = max(reqs[i].max_tokens for i in batch)
-        start = time.perf_counter() - t0
-        dev = next(hf_model.parameters()).device
-        gen = hf_model.generate(
-            input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id
-        )
-        now = time.perf_counter() - t0
-        for row, i in enumerate(batch):
-            outs[i] = gen[row, width:].tolist()[: reqs[i].max_tokens]
-            fin[i] = now
-            ttft[i] = start  # generate returns all at once: the first token is not observable
-        if bar is not None:
-            bar.update(len(batch))
-    if bar is not None:
-        bar.close()
-    d = _summary(outs, ttft, fin, time.perf_counter() - t0, workload, list(range(len(reqs))))
-    d["peak_concurrent_seqs"] = batch_size
-    d["kv_waste"] = None  # transformers' dynamic cache is not measured here
-    return d
+
+def goodput(res: ServeResult, requests: list, ids: list[int], slo: dict) -> float:
+    """Requests per second that met the SLO (TTFT and TPOT both within it)."""
+    ok = 0
+    for i in ids:
+        ttft = res.first_token[i] - res.arrival[i]
+        n = requests[i][1]
+        tpot = (res.finish[i] - res.first_token[i]) / (n - 1) if n > 1 else 0.0
+        ok += ttft <= slo["ttft_s"] and tpot <= slo["tpot_s"]
+    return ok / res.seconds
+
+
+def online_sweep(model, requests: list, rates: list[float], slo: dict, systems: tuple[str, ...], seed: int,
+                 progress: bool = False, **engine_kw: Any) -> dict:
+    ids = list(range(len(requests)))
+    out: dict = {"rates_per_s": rates, "num_requests": len(requests), "slo": slo, "systems": {}}
+    for name in systems:
+        rows = []
+        for k, rate in enumerate(rates):
+            arr = poisson_arrivals(len(requests), rate, seed + k)
+            res = run_system(model, name, requests, arrivals=arr, progress=False, **engine_kw)
+            d = latency_summary(res, requests, ids)
+            d.update(rate_per_s=rate, goodput_req_per_s=goodput(res, requests, ids, slo),
+                     busy_fraction=res.busy_seconds / res.seconds if res.seconds else None)
+            rows.append(d)
+            if progress:
+                print(f"  online {name:<22} {rate:6.3f} req/s: {d['output_tokens_per_s']:7.1f} tok/s, TTFT p50 "
+                      f"{d['ttft_p50_s']:.2f}s, TPOT p50 {d['tpot_p50_s']:.3f}s, goodput {d['goodput_req_per_s']:.3f} req/s",
+                      file=sys.stderr)
+        out["systems"][name] = rows
+    return out
 
 
 # -- the whole benchmark -------------------------------------------------------------------
@@ -193,25 +198,41 @@ def run_bench(
     num_requests: int | None = None,
     static_batch: int | None = None,
     naive_requests: int | None = None,
+    online_requests: int | None = None,
+    rate_factors: tuple[float, ...] = RATE_FACTORS,
     block_size: int = 16,
     max_output: int | None = None,
-    systems: tuple[str, ...] = ("naive", "static", "continuous", "hf"),
+    prompt_scale: float | None = None,
+    output_scale: float | None = None,
+    systems: tuple[str, ...] | None = None,
     model: Any = None,
     model_path: str | None = None,
     attention: str = "auto",
     chat_prompts: bool = False,
+    max_num_batched_tokens: int = 1024,
+    roofline_batches: tuple[int, ...] | None = None,
+    shared_prefix: bool | None = None,
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
-    """Run every system on one workload. Static and continuous get the same KV budget:
-    exactly what ``static_batch`` contiguous max-length reservations take."""
+    """Run every system on one workload with one KV budget: exactly what ``static_batch``
+    contiguous max-length reservations take. ``naive_requests=None`` serves every request naively.
+    ``systems`` defaults to the shape's (QUICK or FULL)."""
+    if systems is None:
+        systems = (QUICK if quick else FULL)["systems"]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}: choose from {', '.join(SYSTEMS)}")
+    shape = dict(QUICK if quick else FULL)
+    for key, val in (("num_requests", num_requests), ("static_batch", static_batch), ("max_output", max_output),
+                     ("online_requests", online_requests), ("prompt_scale", prompt_scale), ("output_scale", output_scale)):
+        if val is not None:
+            shape[key] = val
+    if naive_requests is not None:
+        shape["naive_requests"] = naive_requests
+    if shared_prefix is not None:
+        shape["shared_prefix"] = shared_prefix
     torch.manual_seed(seed)
-    num_requests = num_requests or (24 if quick else 64)
-    static_batch = static_batch or (8 if quick else 16)
-    naive_requests = naive_requests or (3 if quick else 8)
-    max_output = max_output or (96 if quick else 384)
-    max_prompt = 128 if quick else 512
-    scale = 0.4 if quick else 1.0
     t = time.perf_counter()
     tokenizer = None
     if model is None:
@@ -221,76 +242,211 @@ def run_bench(
     load_s = time.perf_counter() - t
     cfg = model.config
     # keep every request (prompt + output) inside the model's context
-    max_output = min(max_output, cfg.max_position_embeddings // 2)
-    max_prompt = min(max_prompt, cfg.max_position_embeddings - max_output)
+    max_out = min(shape["max_output"], cfg.max_position_embeddings // 2)
+    max_prompt = min(shape["max_prompt"], cfg.max_position_embeddings - max_out)
     real = chat_prompt_ids(tokenizer) if chat_prompts and tokenizer is not None else None
-    wl = synthetic(workload, num_requests, seed, vocab_size=cfg.vocab_size, max_output=max_output, max_prompt=max_prompt, real_prompts=real, scale=scale)
+    wl = synthetic(workload, shape["num_requests"], seed, vocab_size=cfg.vocab_size, max_output=max_out,
+                   max_prompt=max_prompt, real_prompts=real, prompt_scale=shape["prompt_scale"],
+                   output_scale=shape["output_scale"])
     reqs = [(r.prompt_token_ids, r.max_tokens) for r in wl.requests]
-    reserve_len = max(len(r.prompt_token_ids) for r in wl.requests) + max(r.max_tokens for r in wl.requests)
+    n = len(reqs)
+    reserve_len = max(len(p) for p, _ in reqs) + max(o for _, o in reqs)
     bpt = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype)
-    budget_blocks = static_batch * -(-reserve_len // block_size)
+    budget_blocks = shape["static_batch"] * parts.cdiv(reserve_len, block_size)
+    engine_kw = dict(num_blocks=budget_blocks, reserve_tokens=reserve_len, block_size=block_size,
+                     max_num_seqs=max(n, 1), max_num_batched_tokens=max_num_batched_tokens, attention=attention)
     result: dict = {
-        "workload": wl.summary(),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "quick": quick,
+        "workload": dict(wl.summary(), scaling=shape),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads()},
         "model": {"name": cfg.name, "load_seconds": load_s},
         "kv_budget": {
-            "blocks": budget_blocks,
-            "block_size": block_size,
-            "mib": budget_blocks * block_size * bpt / 2**20,
+            "blocks": budget_blocks, "block_size": block_size, "mib": budget_blocks * block_size * bpt / 2**20,
             "reserve_len": reserve_len,
-            "note": f"the memory {static_batch} contiguous reservations of {reserve_len} tokens take; static and continuous both get it",
+            "note": f"what {shape['static_batch']} contiguous reservations of {reserve_len} tokens (the workload's longest "
+                    "prompt + longest output) take; every minipaged system gets exactly these blocks",
         },
         "systems": {},
     }
-    gf = gemm_gflops()
-    fpt = flops_per_token(model, np.mean([len(r.prompt_token_ids) + r.max_tokens / 2 for r in wl.requests]))
+    # -- the machine
+    bw = hardware.bandwidth(mib=128 if quick else 256, repeats=3 if quick else 5)
+    gf = hardware.gemm_gflops(repeats=4 if quick else 8)
+    fpt = flops_per_token(model, float(np.mean([len(p) + o / 2 for p, o in reqs])))
     result["ceiling"] = {"gemm_gflops": gf, "flops_per_token": fpt, "compute_bound_tokens_per_s": gf * 1e9 / fpt}
+    rb = roofline_batches or ((1, 4, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128))
+    result["roofline"] = hardware.roofline(model, rb, bw=bw, gflops=gf, repeats=2 if quick else 3)
+
     S = result["systems"]
-    traces: dict = {}
-    result["_traces"] = traces
+    runs: dict[str, ServeResult] = {}
     if "naive" in systems:
-        sub = Workload(wl.name, wl.requests[:naive_requests], seed, wl.description)
-        run = run_naive(model, reqs[:naive_requests], reserve_len, block_size=block_size, attention=attention, progress=progress)
-        S["naive"] = summarize_batch_run(run, sub, list(range(naive_requests)), bpt)
-        traces["naive"] = run.trace
-        S["naive"]["note"] = f"measured on the first {naive_requests} requests (one at a time: its rate does not depend on how many)"
-    if "static" in systems:
-        run = run_static(model, reqs, static_batch, reserve_len, block_size=block_size, attention=attention, progress=progress)
-        S["static"] = summarize_batch_run(run, wl, list(range(len(reqs))), bpt)
-        traces["static"] = run.trace
-    if "continuous" in systems:
-        d, eng = run_continuous(model, wl, budget_blocks, block_size, attention=attention, progress=progress)
-        S["continuous"] = d
-        traces["continuous"] = eng.trace
+        k = shape["naive_requests"]
+        served = list(range(n)) if k is None or k >= n else [round(j * (n - 1) / max(k - 1, 1)) for j in range(k)]
+        sub = [reqs[i] for i in served]
+        res = run_system(model, "naive", sub, progress=progress, **engine_kw)
+        # give the results the workload's request numbers back
+        for d in (res.outputs, res.arrival, res.first_token, res.finish):
+            d.update({served[j]: d.pop(j) for j in sorted(d, reverse=True)})
+        runs["naive"] = res
+        S["naive"] = latency_summary(res, reqs, served)
+        S["naive"].update(memory_summary(res, bpt))
+        if len(served) < n:
+            S["naive"].update(naive_extrapolated(res, reqs, served))
+            S["naive"]["note"] = (f"served {len(served)} of the {n} requests (every {n / len(served):.1f}th), one at a time; "
+                                  "its rate does not depend on how many")
+    for name in FACTORIAL:
+        if name in systems:
+            res = run_system(model, name, reqs, progress=progress, **engine_kw)
+            runs[name] = res
+            S[name] = latency_summary(res, reqs, list(range(n)))
+            S[name].update(memory_summary(res, bpt))
+            S[name]["num_batches"] = len(res.batches) if res.batches else None
     if "hf" in systems:
-        hf = load_hf_peer(model_path)
+        hf = load_hf_peer(model_path) if model_path or tokenizer is not None else None
         if hf is not None:
             hf = hf.to(next(model.parameters()).device)
-        if hf is not None:
-            S["hf"] = run_hf(hf, wl, static_batch, progress=progress)
+            res = run_hf(hf, reqs, shape["static_batch"], progress=progress)
+            runs["hf"] = res
+            S["hf"] = latency_summary(res, reqs, list(range(n)))
+            # generate returns a batch's tokens all at once: its first token and TPOT are not observable
+            S["hf"].update(ttft_p50_s=None, ttft_p99_s=None, tpot_p50_s=None, tpot_p99_s=None)
+            S["hf"].update(peak_concurrent_seqs=shape["static_batch"], kv_waste=None,
+                           note=f"batch {shape['static_batch']}: the most left-padded rows of the workload's longest "
+                                "prompt + output the same KV memory holds")
             del hf
     for name, d in S.items():
         d["fraction_of_compute_bound"] = d["output_tokens_per_s"] / result["ceiling"]["compute_bound_tokens_per_s"]
-        for ref in ("naive", "static"):
-            if ref in S and ref != name:
-                d[f"x_{ref}"] = d["output_tokens_per_s"] / S[ref]["output_tokens_per_s"]
-    if "static" in S and "continuous" in S:
-        result["concurrency_ratio"] = S["continuous"]["peak_concurrent_seqs"] / S["static"]["peak_concurrent_seqs"]
+        if "naive" in S and name != "naive":
+            d["x_naive"] = d["output_tokens_per_s"] / S["naive"]["output_tokens_per_s"]
+    result["attribution"] = attribution(S)
+    ref = "naive" if "naive" in runs else next(iter(runs), None)
+    if ref is not None:
+        result["tokens"] = {"reference": ref, "systems": compare_tokens({k: r.outputs for k, r in runs.items()}, ref)}
+    if "static_contiguous" in S and "continuous_paged" in S:
+        result["concurrency_ratio"] = S["continuous_paged"]["peak_concurrent_seqs"] / S["static_contiguous"]["peak_concurrent_seqs"]
+
+    # -- online arrivals
+    m = shape["online_requests"]
+    online_systems = tuple(s for s in FACTORIAL if s in systems)
+    if m and online_systems and "naive" in runs:
+        base = runs["naive"]
+        served = sorted(base.finish)
+        prev = {i: (base.finish[served[k - 1]] if k else 0.0) for k, i in enumerate(served)}
+        per_token = sum(base.finish[i] - prev[i] for i in served) / sum(reqs[i][1] for i in served)
+        alone_ttft = float(np.median([base.first_token[i] - prev[i] for i in served]))
+        tpots = [(base.finish[i] - base.first_token[i]) / (reqs[i][1] - 1) for i in served if reqs[i][1] > 1]
+        slo = {"ttft_s": 10.0 * alone_ttft, "tpot_s": 3.0 * float(np.median(tpots)),
+               "rule": "TTFT within 10x naive's median time to first token of a request served alone, and TPOT "
+                       "within 3x naive's median time per output token (both measured in this run)"}
+        owl = synthetic(workload, m, seed + 1, vocab_size=cfg.vocab_size, real_prompts=real,
+                        max_prompt=min(ONLINE_SHAPE["max_prompt"], max_prompt), max_output=min(ONLINE_SHAPE["max_output"], max_out),
+                        prompt_scale=ONLINE_SHAPE["prompt_scale"], output_scale=ONLINE_SHAPE["output_scale"])
+        sub = [(r.prompt_token_ids, r.max_tokens) for r in owl.requests]
+        # naive's capacity on these requests, from its measured time per output token
+        per_req = per_token * float(np.mean([o for _, o in sub]))
+        rates = [f / per_req for f in rate_factors]
+        okw = dict(engine_kw, reserve_tokens=max(len(p) for p, _ in sub) + max(o for _, o in sub))  # same blocks
+        result["online"] = online_sweep(model, sub, rates, slo, online_systems, seed, progress=progress, **okw)
+        result["online"].update(naive_capacity_req_per_s=1.0 / per_req, rate_factors=list(rate_factors),
+                                workload=owl.summary())
+    # The shared-prefix workload: prefix caching off vs on (TTFT, KV blocks), once the engine has it.
+    result["shared_prefix"] = measure_shared_prefix(model, block_size, seed, attention=attention) if shape["shared_prefix"] else {
+        "measured": False, "why": "not part of this run (the full bench measures it)"}
+    result["_runs"] = runs
     return result
 
 
+def shared_prefix_requests(num_requests: int, system_len: int, user_len: tuple[int, int], max_tokens: int,
+                           vocab_size: int, seed: int = 0) -> list:
+    """Requests that all start with the same ``system_len``-token system prompt, then their own question."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(100, vocab_size - 100, system_len).tolist()
+    lo, hi = user_len
+    return [(system + rng.integers(100, vocab_size - 100, int(rng.integers(lo, hi + 1))).tolist(), max_tokens)
+            for _ in range(num_requests)]
+
+
+def measure_shared_prefix(model: Any, block_size: int, seed: int, num_requests: int = 12, system_len: int = 256,
+                  user_len: tuple[int, int] = (16, 48), max_tokens: int = 16, settings: tuple | None = None,
+                  attention: Any = "auto") -> dict:
+    """Requests sharing a long system prompt, served with prefix caching off and on: TTFT and KV blocks.
+
+    One request runs first (it fills the cache, when there is one), then the others arrive
+    together, through the same driver as every other system. Measured when the engine has an
+    ``enable_prefix_caching`` setting (issue 13); until then the JSON says why not. ``settings``
+    (two dicts of engine settings, off then on) replaces the default pair, for tests.
+    """
+    from ..config import CONFIG_FIELDS
+    from .baselines import build_engine, serve
+
+    if settings is None:
+        if "enable_prefix_caching" not in CONFIG_FIELDS:
+            return {"measured": False, "why": "this engine has no prefix caching (no EngineConfig.enable_prefix_caching)"}
+        settings = ({"enable_prefix_caching": False}, {"enable_prefix_caching": True})
+    cfg = model.config
+    system_len = min(system_len, cfg.max_position_embeddings - user_len[1] - max_tokens)
+    reqs = shared_prefix_requests(num_requests, system_len, user_len, max_tokens, cfg.vocab_size, seed)
+    num_blocks = num_requests * parts.cdiv(system_len + user_len[1] + max_tokens, block_size)
+    out = {"measured": True, "num_requests": num_requests, "system_prompt_tokens": system_len, "max_tokens": max_tokens}
+    outputs = {}
+    for label, extra in zip(("off", "on"), settings):
+        from ..engine import LLMEngine
+
+        eng = LLMEngine(model, None, attention=attention, block_size=block_size, num_blocks=num_blocks,
+                        max_num_seqs=num_requests, **extra)
+        serve(eng, reqs[:1], id_prefix="warm")  # the first request fills the cache (when there is one)
+        res = serve(eng, reqs[1:], id_prefix="r")  # then the rest, all at once
+        ids = list(range(num_requests - 1))
+        d = latency_summary(res, reqs[1:], ids)
+        d["peak_blocks_used"] = res.trace.peak_blocks_used
+        d["settings"] = dict(extra)
+        out[label] = d
+        outputs[label] = res.outputs
+    out["greedy_tokens_equal"] = outputs["off"] == outputs["on"]
+    out["ttft_p50_ratio_off_over_on"] = out["off"]["ttft_p50_s"] / out["on"]["ttft_p50_s"]
+    return out
+
+
 def format_table(result: dict) -> str:
-    rows = [("system", "out tok/s", "x naive", "x static", "TTFT p50", "lat p50", "lat p99", "KV waste", "peak seqs")]
+    rows = [("system", "out tok/s", "x naive", "TTFT p50", "TPOT p50", "lat p50", "lat p99", "KV waste", "peak seqs", "preempt")]
     for name, d in result["systems"].items():
         f = lambda k, fmt: (fmt.format(d[k]) if d.get(k) is not None else "-")  # noqa: E731
         rows.append((
-            name, f("output_tokens_per_s", "{:.1f}"), f("x_naive", "{:.2f}"), f("x_static", "{:.2f}"),
-            f("ttft_p50_s", "{:.2f}s"), f("latency_p50_s", "{:.2f}s"), f("latency_p99_s", "{:.2f}s"),
-            (f"{d['kv_waste'] * 100:.1f}%" if d.get("kv_waste") is not None else "-"), str(d.get("peak_concurrent_seqs", "-")),
+            name, f("output_tokens_per_s", "{:.1f}"), f("x_naive", "{:.2f}"), f("ttft_p50_s", "{:.2f}s"),
+            f("tpot_p50_s", "{:.3f}s"), f("latency_p50_s", "{:.2f}s"), f("latency_p99_s", "{:.2f}s"),
+            (f"{d['kv_waste'] * 100:.1f}%" if d.get("kv_waste") is not None else "-"),
+            str(d.get("peak_concurrent_seqs", "-")), str(d.get("preemptions", "-")),
         ))
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
     lines.insert(1, "  ".join("-" * x for x in w))
+    return "\n".join(lines)
+
+
+def format_attribution(result: dict) -> str:
+    lines = []
+    for key, a in result.get("attribution", {}).items():
+        lines.append(f"{key:<22} {a['ratio']:5.2f}x  ({a['of']}: {a['isolates']})")
+    return "\n".join(lines)
+
+
+def format_online(result: dict) -> str:
+    on = result.get("online")
+    if not on:
+        return ""
+    slo = on["slo"]
+    rows = [("system", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "goodput")]
+    for name, rs in on["systems"].items():
+        for d in rs:
+            rows.append((name, f"{d['rate_per_s']:.3f}", f"{d['output_tokens_per_s']:.1f}", f"{d['ttft_p50_s']:.2f}s",
+                         f"{d['ttft_p99_s']:.2f}s", f"{d['tpot_p50_s']:.3f}s", f"{d['tpot_p99_s']:.3f}s",
+                         f"{d['goodput_req_per_s']:.3f}"))
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"online: {on['num_requests']} requests ({on['workload']['description'] if on.get('workload') else ''}), "
+             f"Poisson arrivals at {', '.join(f'{x:g}' for x in on.get('rate_factors', []))}x naive's capacity; SLO TTFT <= {slo['ttft_s']:.2f}s and "
+             f"TPOT <= {slo['tpot_s']:.3f}s ({slo['rule']}); goodput = requests/s meeting both"]
+    lines += ["  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
+    lines.insert(2, "  ".join("-" * x for x in w))
     return "\n".join(lines)
 
 
@@ -300,38 +456,41 @@ def save_plots(result: dict, folder: Path) -> list[Path]:
         import matplotlib
 
         matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
         from .. import viz
+        from . import plots
     except ImportError:
         return []
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    S = result["systems"]
-    fig = viz.plot_throughput(S)
-    paths.append(folder / "throughput.png")
-    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    # naive ran a subset of the requests: leave it out of the pictures of the whole workload
-    traces = {k: t for k, t in result.get("_traces", {}).items() if k in ("static", "continuous")}
-    if "static" in traces and "continuous" in traces:
-        fig = viz.plot_timeline(traces)
-        paths.append(folder / "timeline.png")
-        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    if traces:
-        fig = viz.plot_kv_usage(traces)
-        paths.append(folder / "kv_usage.png")
-        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    if "continuous" in traces:
-        fig = viz.plot_page_table(traces["continuous"])
-        paths.append(folder / "page_table.png")
-        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    import matplotlib.pyplot as plt
 
+    def save(fig, name: str) -> None:
+        paths.append(folder / name)
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+
+    S = result["systems"]
+    save(viz.plot_throughput(S), "throughput.png")
+    if all(k in S for k in FACTORIAL):
+        save(plots.plot_factorial(result), "attribution.png")
+    if result.get("online"):
+        save(plots.plot_online(result), "online.png")
+    if result.get("roofline"):
+        save(plots.plot_roofline(result["roofline"]), "roofline.png")
+    traces = {k: r.trace for k, r in result.get("_runs", {}).items() if k in ("static_contiguous", "continuous_paged")}
+    if len(traces) == 2:
+        save(viz.plot_timeline(traces), "timeline.png")
+    if traces:
+        save(viz.plot_kv_usage(traces), "kv_usage.png")
+    if "continuous_paged" in traces:
+        save(viz.plot_page_table(traces["continuous_paged"]), "page_table.png")
     plt.close("all")
     return paths
 
 
 def to_json(result: dict) -> dict:
     out = {k: v for k, v in result.items() if not k.startswith("_")}
-    out["timelines"] = {n: t.timeline() for n, t in result.get("_traces", {}).items()}
+    out["timelines"] = {n: r.trace.timeline() for n, r in result.get("_runs", {}).items() if r.trace is not None}
     return out
 
 
@@ -341,36 +500,70 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca"])
     ap.add_argument("--chat-prompts", action="store_true", help="use real chat prompts (the demo model's template) instead of random tokens")
     ap.add_argument("--num-requests", type=int)
-    ap.add_argument("--static-batch", type=int, help="static batch size; also sets the KV budget both systems get")
-    ap.add_argument("--naive-requests", type=int, help="how many requests the naive server runs (its rate)")
+    ap.add_argument("--static-batch", type=int, help="contiguous reservations the KV budget holds (sets the budget every system gets)")
+    ap.add_argument("--naive-requests", type=int, help="serve only this many requests naively and extrapolate its latency (labelled)")
+    ap.add_argument("--online-requests", type=int, help="requests in the online sweep (0: no sweep)")
+    ap.add_argument("--rates", default=None, help="online rates as multiples of naive's capacity, comma-separated (default 0.5,1.5,4)")
     ap.add_argument("--max-output", type=int)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--systems", default="naive,static,continuous,hf", help="comma-separated subset")
+    ap.add_argument("--systems", default=None, help="comma-separated subset of " + ",".join(SYSTEMS) + " (default: all; --quick runs naive,static_contiguous,continuous_paged)")
     ap.add_argument("--model", default=None, help="a GGUF file or local Hugging Face folder")
     ap.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--plots", type=Path, help="write PNG plots into this folder")
+    ap.add_argument("--no-shared-prefix", action="store_true", help="skip the shared-system-prompt workload (prefix caching off vs on)")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
+    rates = RATE_FACTORS
+    if a.rates:
+        try:
+            rates = tuple(float(x) for x in a.rates.split(",") if x.strip())
+        except ValueError:
+            ap.error(f"--rates takes numbers separated by commas, e.g. 0.5,1.5,4; got {a.rates!r}")
+        if not rates or min(rates) <= 0:
+            ap.error(f"--rates must be positive multiples of naive's capacity, got {a.rates!r}")
+    systems = tuple(s.strip() for s in a.systems.split(",") if s.strip()) if a.systems else None
+    bad = [s for s in systems or () if s not in SYSTEMS]
+    if bad:
+        ap.error(f"unknown system(s) {', '.join(bad)}: choose from {', '.join(SYSTEMS)}")
+    t0 = time.perf_counter()
     res = run_bench(
         quick=a.quick, workload=a.workload, num_requests=a.num_requests, static_batch=a.static_batch,
-        naive_requests=a.naive_requests, block_size=a.block_size, max_output=a.max_output,
-        systems=tuple(s.strip() for s in a.systems.split(",") if s.strip()), model_path=a.model,
+        naive_requests=a.naive_requests, online_requests=a.online_requests, rate_factors=rates,
+        block_size=a.block_size, max_output=a.max_output, systems=systems, model_path=a.model,
         attention=a.attention, chat_prompts=a.chat_prompts, seed=a.seed, progress=not a.no_progress,
+        shared_prefix=False if a.no_shared_prefix else None,
     )
+    res["bench_seconds"] = time.perf_counter() - t0
     res["command"] = " ".join(["minipaged bench", *(argv if argv is not None else sys.argv[1:])])
     print()
     print(f"workload: {res['workload']['description']}")
     kb = res["kv_budget"]
-    print(f"KV budget for static and continuous: {kb['blocks']} blocks x {kb['block_size']} = {kb['mib']:.0f} MiB ({kb['note']})")
+    print(f"KV budget for every system: {kb['blocks']} blocks x {kb['block_size']} = {kb['mib']:.0f} MiB ({kb['note']})")
     print(format_table(res))
-    c = res["ceiling"]
-    print(f"\nthis machine: fp32 GEMM {c['gemm_gflops']:.0f} GFLOP/s -> compute-bound limit {c['compute_bound_tokens_per_s']:.0f} tokens/s for this model")
+    if res.get("attribution"):
+        print("\nwhat each idea buys (output tokens/s ratios):")
+        print(format_attribution(res))
+    tok = res.get("tokens")
+    if tok:
+        bad = {k: v for k, v in tok["systems"].items() if v["equal"] != v["compared"]}
+        print(f"\ngreedy tokens equal to {tok['reference']}'s: " + ("every system, every request compared" if not bad else
+              "; ".join(f"{k}: {v['equal']}/{v['compared']} (first differs: request {v['first_different']})" for k, v in bad.items())))
+    if res.get("online"):
+        print()
+        print(format_online(res))
+    c, rf = res["ceiling"], res["roofline"]
+    print(f"\nthis machine: fp32 GEMM {c['gemm_gflops']:.0f} GFLOP/s, read {rf['bandwidth']['read_GBps']:.1f} GB/s, copy "
+          f"{rf['bandwidth']['copy_GBps']:.1f} GB/s -> ridge {rf['ridge_flops_per_byte']:.1f} flops/byte; decode turns "
+          f"compute-bound at batch ~{rf['predicted_compute_bound_batch']:.0f} (predicted), "
+          + (f"~{rf['measured_compute_bound_batch']:.0f} (measured)" if rf["measured_compute_bound_batch"] else "not within the batches measured"))
+    print(f"compute-bound limit {c['compute_bound_tokens_per_s']:.0f} tokens/s for this model:")
     for name, d in res["systems"].items():
-        print(f"  {name:<10} {d['fraction_of_compute_bound'] * 100:5.1f}% of that limit" + (f"  ({d['note']})" if d.get("note") else ""))
+        print(f"  {name:<22} {d['fraction_of_compute_bound'] * 100:5.1f}% of that limit" + (f"  ({d['note']})" if d.get("note") else ""))
     if "concurrency_ratio" in res:
-        print(f"same KV memory: continuous+paged held {res['concurrency_ratio']:.1f}x the sequences static batching could")
+        print(f"same KV memory: continuous_paged held {res['concurrency_ratio']:.1f}x the sequences static_contiguous could")
+    print(f"bench took {res['bench_seconds']:.0f} s")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(to_json(res), indent=1))

@@ -65,13 +65,22 @@ def synthetic(
     fixed: tuple[int, int] | None = None,
     real_prompts: list[list[int]] | None = None,
     scale: float = 1.0,
+    prompt_scale: float | None = None,
+    output_scale: float | None = None,
 ) -> Workload:
     """``name`` is "sharegpt", "alpaca" or "fixed" (then ``fixed=(prompt_len, output_len)``).
 
     With ``real_prompts`` (token ids of real chat prompts), prompts are taken from them in
     turn instead of random tokens; the output lengths still follow the distribution.
-    ``scale`` shrinks every median (a quick run keeps the shape with shorter requests).
+    ``scale`` multiplies every median (a quick run keeps the shape with shorter requests);
+    ``prompt_scale`` / ``output_scale`` set the two separately (default: ``scale``). The sigmas,
+    and so the long tail, stay as they are.
     """
+    p_scale = scale if prompt_scale is None else prompt_scale
+    o_scale = scale if output_scale is None else output_scale
+    for name_, v in (("scale", scale), ("prompt_scale", p_scale), ("output_scale", o_scale)):
+        if not v > 0:
+            raise ValueError(f"{name_} must be > 0, got {v!r}")
     rng = np.random.default_rng(seed)
     if name == "fixed":
         if fixed is None:
@@ -80,12 +89,13 @@ def synthetic(
         desc = f"{num_requests} requests, prompt {fixed[0]} and output {fixed[1]} tokens each"
     elif name in DISTRIBUTIONS:
         pm, ps, om, os_ = DISTRIBUTIONS[name]
-        pm, om = max(4, round(pm * scale)), max(4, round(om * scale))
+        pm, om = max(4, round(pm * p_scale)), max(4, round(om * o_scale))
         plens = _lognormal(rng, pm, ps, num_requests, 4, max_prompt)
         olens = _lognormal(rng, om, os_, num_requests, 4, max_output)
         desc = (
             f"{num_requests} requests, {name}-like log-normal lengths scaled for a CPU "
-            f"(prompt median {pm}, output median {om}, output capped at {max_output}); EOS ignored"
+            f"(prompt median {pm} = {DISTRIBUTIONS[name][0]} x {p_scale:g}, output median {om} = {DISTRIBUTIONS[name][2]} x {o_scale:g}, "
+            f"prompt capped at {max_prompt}, output at {max_output}); EOS ignored"
         )
     else:
         raise ValueError(f"unknown workload {name!r}: use one of {sorted(DISTRIBUTIONS) + ['fixed']}")

@@ -13,6 +13,13 @@ compares the state after each one, and stops at the first difference with what w
 what was expected, what came, and a hint. A failure raises CheckFailed (an AssertionError),
 so nbval marks exactly that cell; a stub raises NotImplementedYet ("not implemented yet:
 <function>"); a check that runs past its time limit raises CheckTimeout.
+
+A check refuses minipaged's own implementation in the learner's place (_delegation.py): the
+class or function itself under any name, a subclass that leaves a member the learner must
+write to the package, and, while the learner's code runs, any call into the package's
+implementation of that part (a wrapper, super(), a copied method). The parts are driven only
+through the Protocol members of minipaged.interfaces and the free functions of minipaged.parts.
+tests/rules_table.py maps every rule a workbook states to its check and a wrong answer.
 """
 from ._core import CheckFailed, CheckTimeout, NotImplementedYet
 

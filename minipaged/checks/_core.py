@@ -174,14 +174,30 @@ def _wrapped_not_implemented(e: BaseException) -> BaseException | None:
     return None
 
 
+# The delegation guards (see _delegation.py) of the checks now running, innermost last.
+_GUARDS: list = []
+
+
+@contextmanager
+def watching(what: str) -> Iterator[None]:
+    """Around a call of the learner's code: the running check's delegation guard watches it."""
+    if not _GUARDS:
+        yield
+        return
+    with _GUARDS[-1].watching(what):
+        yield
+
+
 def learner_call(fn: Callable, *args, what: str, context: Callable[[], str] = lambda: "", **kwargs):
     """Call the learner's ``fn``; a stub becomes NotImplementedYet, any other crash CheckFailed.
 
     ``what`` is the call as the learner would type it (``a.allocate()``); ``context`` gives the
-    story so far for the message.
+    story so far for the message. While a check's delegation guard is on, a call into
+    minipaged's own implementation from ``fn`` fails the check (see _delegation.py).
     """
     try:
-        return fn(*args, **kwargs)
+        with watching(what):
+            return fn(*args, **kwargs)
     except CheckFailed:
         raise
     except NotImplementedError as e:

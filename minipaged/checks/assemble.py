@@ -6,7 +6,12 @@ and re-runs each part's check quietly, so a missing, unsolved or wrong part is n
 any model is loaded. ``check_engine`` serves a few short prompts greedily with a small pool
 (so blocks run out, sequences are preempted and recomputed, prompts are chunked), compares
 the tokens with the reference engine's and, when they differ, swaps the parts for
-minipaged's one at a time to say which one is to blame.
+minipaged's one at a time to say which one is to blame. It also checks that every plugged
+part is the learner's own (the exact classes from their workbooks, and no call into
+minipaged's allocator, table, scheduler policy or attention while their engine serves), and
+that their scheduler's policy is the reference's: every step's schedule (who, from which
+position, how many tokens) and preemptions are compared, since greedy tokens alone do not
+depend on the policy.
 """
 from __future__ import annotations
 
@@ -23,7 +28,9 @@ from typing import Any, Callable
 
 import torch
 
-from ._core import CheckFailed, NotImplementedYet, describe_exception, is_stub, not_implemented, passed, run_with_time_limit
+from ._core import (CheckFailed, NotImplementedYet, describe_exception, fmt_list, is_stub, not_implemented, passed,
+                    run_with_time_limit, watching)
+from ._delegation import guarded
 from ._workbooks import find_workbook, run_workbook_cells
 
 NAME = "07 assemble"
@@ -69,10 +76,22 @@ class Parts:
             return self.paged_attention
         decode, full = self.paged_decode, self.paged_attention
 
-        def learner_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out=None):
-            if q.shape[0] == context_lens.shape[0]:  # one new token per sequence: a decode step
+        def learner_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out=None,
+                              num_decodes=0):
+            # The runner puts decode sequences first and says how many (AttentionMetadata.num_decodes): the
+            # first num_decodes sequences, one query row each, go to your Triton decode, the rest to your 04.
+            n = context_lens.shape[0]
+            d = int(num_decodes)
+            if d == 0:
+                return full(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out)
+            if d == n:
                 return decode(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out)
-            return full(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out)
+            res = torch.empty_like(q) if out is None else out
+            res[:d] = decode(q[:d], k_cache, v_cache, block_tables[:d], context_lens[:d], query_start_loc[: d + 1],
+                             scale, None)
+            res[d:] = full(q[d:], k_cache, v_cache, block_tables[d:], context_lens[d:], query_start_loc[d:] - d,
+                           scale, None)
+            return res
 
         return learner_attention
 
@@ -247,14 +266,28 @@ def _build(build_engine, model, tok, parts, args):
     return llm
 
 
+def _recording_raises(fn: Callable, where: str, raised: list) -> Callable:
+    """``fn`` that describes into ``raised`` what it raises (the engine turns it into a request error)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raised.append(f"in your {where}: {describe_exception(e)}")
+            raise
+
+    return call
+
+
 def _check_plugged(llm, parts: Parts) -> None:
     eng = getattr(llm, "engine", None)
     if eng is None:
         return
     wrong = []
-    if not isinstance(eng.allocator, parts.allocator_cls):
+    if type(eng.allocator) is not parts.allocator_cls:
         wrong.append(f"allocator_cls=parts.allocator_cls (the engine's allocator is a {type(eng.allocator).__name__})")
-    if not isinstance(eng.scheduler, parts.scheduler_cls):
+    if type(eng.scheduler) is not parts.scheduler_cls:
         wrong.append(f"scheduler_cls=parts.scheduler_cls (the engine's scheduler is a {type(eng.scheduler).__name__})")
     if getattr(eng.scheduler, "block_table_cls", parts.block_table_cls) is not parts.block_table_cls:
         wrong.append(f"block_table_cls=parts.block_table_cls (the engine uses {eng.scheduler.block_table_cls.__name__})")
@@ -264,9 +297,19 @@ def _check_plugged(llm, parts: Parts) -> None:
     fn = getattr(backend, "paged_attention", None)
     if fn is ref_attention or getattr(backend, "name", None) in ("torch", "triton"):
         wrong.append(f"attention=parts.attention (the engine uses minipaged's own {getattr(backend, 'name', '')} attention)")
-    asked = {"block_size": getattr(eng, "block_size", None), "num_blocks": getattr(eng.allocator, "num_blocks", None),
-             "max_num_seqs": getattr(eng.scheduler, "max_num_seqs", None),
-             "max_num_batched_tokens": getattr(eng.scheduler, "max_num_batched_tokens", None)}
+    config = getattr(eng, "config", None)
+
+    def setting(name, *owners):
+        if config is not None and hasattr(config, name):
+            return getattr(config, name)
+        for o in owners:
+            if hasattr(o, name):
+                return getattr(o, name)
+        return None
+
+    asked = {"block_size": setting("block_size", eng), "num_blocks": getattr(eng.allocator, "num_blocks", None),
+             "max_num_seqs": setting("max_num_seqs", eng.scheduler),
+             "max_num_batched_tokens": setting("max_num_batched_tokens", eng.scheduler)}
     differs = [f"{k}={asked[k]} (asked for {v})" for k, v in ENGINE_ARGS.items() if k in asked and asked[k] != v]
     if differs:
         wrong.append("**engine_args unchanged: your engine has " + ", ".join(differs))
@@ -274,6 +317,60 @@ def _check_plugged(llm, parts: Parts) -> None:
         raise CheckFailed(f"{NAME}: your engine does not use all of your parts and settings. Pass " + "; ".join(wrong)
                           + ".\n\nHint: the point of this workbook is to serve the model with YOUR code: give LLM(...) "
                             "every part from `parts`, and pass **engine_args on unchanged.")
+
+
+def _record_schedules(llm, raised: list | None = None) -> list:
+    """Wrap the engine's scheduler's schedule() to keep, per step, [(request, start, new tokens)] and the
+    preempted; what raises in it (your scheduler, table or allocator) is described into ``raised``."""
+    steps: list = []
+    sched = llm.engine.scheduler
+    schedule = sched.schedule
+    names: dict = {}
+
+    def name(seq) -> str:
+        return names.setdefault(seq.seq_id, f"r{len(names)}")
+
+    def recording():
+        try:
+            out = schedule()
+        except Exception as e:
+            if raised is not None:
+                raised.append(f"in schedule(): {describe_exception(e)}")
+            raise
+        steps.append((tuple((name(s.seq), s.start, s.num_new_tokens) for s in out.scheduled),
+                      tuple(name(s) for s in out.preempted)))
+        return out
+
+    sched.schedule = recording
+    return steps
+
+
+def _step_text(step) -> str:
+    if step is None:
+        return "(no step)"
+    sched, pre = step
+    text = " ".join(f"{r}+{n}@{p}" for r, p, n in sched) or "(nothing)"
+    return text + (f"; preempted {fmt_list(pre)}" if pre else "")
+
+
+def _compare_policy(exp_steps: list, got_steps: list) -> None:
+    if exp_steps == got_steps:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(exp_steps, got_steps)) if a != b), min(len(exp_steps), len(got_steps)))
+    rows = []
+    for i in range(max(0, k - 2), min(max(len(exp_steps), len(got_steps)), k + 2)):
+        e = exp_steps[i] if i < len(exp_steps) else None
+        g = got_steps[i] if i < len(got_steps) else None
+        rows.append(f"    step {i + 1}: reference {_step_text(e)}\n    {' ' * len(str(i + 1))}       yours     {_step_text(g)}"
+                    + ("   <- differs" if e != g else ""))
+    raise CheckFailed(
+        f"{NAME}: your engine's answers are right, but your scheduler's policy differs from the reference's in the "
+        f"engine (first at step {k + 1} of {len(exp_steps)}; yours took {len(got_steps)} steps).\n\n" + "\n".join(rows)
+        + "\n    (rN+T@P: request N computes T new tokens from position P)\n\n"
+        "Hint: greedy tokens do not depend on the policy, so the check compares every step's schedule. Your scheduler "
+        "passes workbook 06's check, so look at what only the engine gives it: its settings (read them from the "
+        "scheduler's attributes, never hard-code them) and requests that finish early, at EOS or a stop."
+    )
 
 
 def check_engine(build_engine: Callable, folder: str | os.PathLike | None = None, timeout: float = 900) -> None:
@@ -292,19 +389,39 @@ def check_engine(build_engine: Callable, folder: str | os.PathLike | None = None
         state["current"] = "serving the prompts with the reference engine"
         t = time.perf_counter()
         ref = LLM(model, tok, attention="torch", **ENGINE_ARGS)
+        exp_steps = _record_schedules(ref)
         exp = _generate(ref, PROMPTS, "the reference engine")
         t_ref = time.perf_counter() - t
         state["current"] = "serving the prompts with your engine"
+        raised: list = []
+        parts.paged_attention = _recording_raises(parts.paged_attention, "attention (04)", raised)
+        if parts.paged_decode is not None:
+            parts.paged_decode = _recording_raises(parts.paged_decode, "Triton decode (05)", raised)
         llm = _build(build_engine, model, tok, parts, ENGINE_ARGS)
         _check_plugged(llm, parts)
+        got_steps = _record_schedules(llm, raised) if hasattr(llm, "engine") else None
         t = time.perf_counter()
-        got = _generate(llm, PROMPTS, "your engine")
+        # While your engine serves, none of minipaged's own parts may run in place of yours.
+        with guarded("07", NAME), watching("your engine (build_engine(...).generate)"):
+            got = _generate(llm, PROMPTS, "your engine")
         t_mine = time.perf_counter() - t
         if not isinstance(got, list) or len(got) != len(PROMPTS):
             raise CheckFailed(f"{NAME}: your engine returned {type(got).__name__} for {len(PROMPTS)} prompts; "
                               "expected a list of one output per prompt.")
+        errors = [(i, o) for i, o in enumerate(got) if getattr(o, "finish_reason", None) == "error"]
+        if errors:
+            # The engine keeps serving when a step raises, and ends that step's requests with the error: name it.
+            i, o = errors[0]
+            raise CheckFailed(
+                f"{NAME}: your engine ended {len(errors)} of the {len(PROMPTS)} requests with an error (first: prompt {i}, "
+                f"{PROMPTS[i][:40]!r}):\n    {o.error}\n" + (f"  It was raised {raised[0]}\n" if raised else "")
+                + "\nYour parts pass their own checks, so look at what only the engine gives them: several sequences "
+                "at once, preemption and recompute, the model's shapes (9 query heads over 3 KV heads, head_dim 64), "
+                "dtype and device.")
         if _tokens(got) != _tokens(exp):
             raise _mismatch(exp, got, parts, build_engine, model, tok, state)
+        if got_steps is not None:
+            _compare_policy(exp_steps, got_steps)
         stats = llm.engine.stats() if hasattr(llm, "engine") else {}
         w = max(len(p) for p in PROMPTS[:3])
         print(f"  {'prompt'.ljust(w)}  answer (yours = the reference's)")

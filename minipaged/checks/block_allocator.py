@@ -3,13 +3,19 @@
 Both are driven through the same seeded operations (allocate, free, incref, misuse), and
 after every operation the returned block id, ``num_free_blocks`` and every ``ref_count(b)``
 must agree. The first difference stops the check with the replayable story and a hint.
+Only the members of ``minipaged.interfaces.BlockPool`` are used: how the learner keeps the
+free list and the counts is theirs. minipaged's own BlockAllocator in the learner's place
+(an alias, a subclass, a wrapper) is refused.
 """
 from __future__ import annotations
 
 import random
 from typing import Any
 
+from collections import deque
+
 from ..block_allocator import BlockAllocator
+from ..interfaces import BlockPool
 from ._core import (
     DEFAULT_TIMEOUT_S,
     CheckFailed,
@@ -21,8 +27,10 @@ from ._core import (
     passed,
     run_with_time_limit,
     table,
+    watching,
     _qualname,
 )
+from ._delegation import guarded, refuse_package_class
 
 NAME = "02 block allocator"
 
@@ -36,6 +44,7 @@ class _Run:
         self.log = Log([f"a = {cls.__name__}(num_blocks={num_blocks}, block_size={block_size})"])
         self.current = f"{cls.__name__}(num_blocks={num_blocks}, block_size={block_size})"
         self.ref = BlockAllocator(num_blocks, block_size)
+        self.ref_free_order: deque = deque(range(num_blocks))  # the reference's free list, followed from outside
         self.mine = self.call(cls, num_blocks, block_size, what=self.current)
         self.held: list[int] = []  # one entry per reference a "block table" holds
         self.names: dict[int, str] = {}
@@ -64,7 +73,8 @@ class _Run:
         """Call the learner's ``fn(arg)`` expecting an exception of ``kinds``; return it or None."""
         self.current = what
         try:
-            fn(arg)
+            with watching(what):
+                fn(arg)
         except NotImplementedError as e:
             raise not_implemented(_qualname(e.__traceback__)) from None
         except kinds as e:
@@ -155,8 +165,9 @@ class _Run:
                                      "(popleft() on an empty deque raises IndexError, which nobody upstream catches).")
             self.compare("allocate() on a full pool (nothing may change)", op="misuse")
             return
-        free_before = list(self.ref.free_list)
+        free_before = list(self.ref_free_order)
         exp = self.ref.allocate()
+        self.ref_free_order.remove(exp)
         got = self.call(self.mine.allocate, what="a.allocate()")
         self.log.add(f"{var} = a.allocate()  # -> {exp} expected")
         self.names[len(self.names)] = var
@@ -165,13 +176,7 @@ class _Run:
                             expected=f"{exp}", got=f"{got!r} ({type(got).__name__})",
                             hint="return the block you took from the free list.")
         if got != exp:
-            mine_list = getattr(self.mine, "free_list", None)
             pic = f"Reference free list before this allocate (front first): {fmt_list(free_before)}"
-            if mine_list is not None:
-                try:
-                    pic += f"\nYour free_list after it:                       {fmt_list(list(mine_list))}"
-                except TypeError:
-                    pass
             if 0 <= got < self.num_blocks and self.ref.ref_count(got) > 0 and got != exp:
                 hint = (f"block {got} is in use (ref count {self.ref.ref_count(got)} in the reference): it was handed out twice. "
                         "A block must leave the free list when allocated and come back only when its ref count drops to 0.")
@@ -191,7 +196,7 @@ class _Run:
         b = rng.choice(self.held)
         self.held.remove(b)
         shared = self.ref.ref_count(b) > 1
-        self.ref.free(b)
+        self.ref_free(b)
         self.call(self.mine.free, b, what=f"a.free({b})")
         note = f"  # still held {self.ref.ref_count(b)}x" if shared else ""
         self.log.add(f"a.free({b}){note}")
@@ -201,6 +206,11 @@ class _Run:
             hint = (f"block {b} had ref count {self.ref.ref_count(b) + 1}: another block table still holds it. free() drops one "
                     "reference; only when the count reaches 0 does the block go back to the free list.")
         self.compare(f"a.free({b})" + (" of a shared block" if shared else ""), hint=hint, op="free")
+
+    def ref_free(self, b: int) -> None:
+        self.ref.free(b)
+        if self.ref.ref_count(b) == 0:
+            self.ref_free_order.append(b)
 
     def incref(self, rng: random.Random) -> None:
         b = rng.choice(sorted(set(self.held)))
@@ -262,7 +272,7 @@ def _scenarios(cls, stats, sharing: bool) -> None:
         r.allocate()
     for b in (1, 0):
         r.held.remove(b)
-        r.ref.free(b)
+        r.ref_free(b)
         r.call(r.mine.free, b, what=f"a.free({b})")
         r.log.add(f"a.free({b})")
         r.compare(f"a.free({b})", op="free")
@@ -279,16 +289,77 @@ def _scenarios(cls, stats, sharing: bool) -> None:
         for _ in range(2):
             r.free(random.Random(0))
         r.allocate()
+        _fork_scenario(cls, stats)
         r = _Run(cls, 2, 4, "freeing a free block is an error", stats)
         r.allocate()
         r.misuse(random.Random(1), "free")
         r.misuse(random.Random(1), "incref")
 
 
+def _check_members(cls) -> None:
+    from ..parts import check_part
+
+    try:
+        check_part(cls, BlockPool, "allocator")
+    except TypeError as e:
+        raise CheckFailed(f"{NAME}: {e}. Keep the members the workbook's skeleton gives.") from None
+
+
+# What the learner writes: BlockPool's members (num_blocks and block_size are set in __init__).
+MUST_WRITE = ("__init__", "num_free_blocks", "allocate", "free", "incref", "ref_count")
+
+
+class _Table:
+    """The smallest block table over any BlockPool, so that parts.fork_table can share its blocks."""
+
+    def __init__(self, allocator) -> None:
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.blocks: list = []
+        self.num_tokens = 0
+
+
+def _fork_scenario(cls, stats) -> None:
+    """A table of 3 blocks is forked (parts.fork_table: every block incref'd), then both are freed."""
+    from .. import parts
+
+    r = _Run(cls, 5, 4, "a forked table shares all its blocks (parts.fork_table); each holder frees once", stats)
+    for _ in range(3):
+        r.allocate()
+    tables = {}
+    for side, pool in (("ref", r.ref), ("mine", r.mine)):
+        t = _Table(pool)
+        t.blocks, t.num_tokens = [0, 1, 2], 10
+        tables[side] = t
+    r.current = "parts.fork_table(table)"
+    child_ref = parts.fork_table(tables["ref"])
+    child_mine = r.call(parts.fork_table, tables["mine"], what="parts.fork_table(table)  # a.incref(b) for its blocks 0, 1, 2")
+    r.held += [0, 1, 2]
+    r.log.add("child = parts.fork_table(table)  # a.incref(0); a.incref(1); a.incref(2)")
+    r.compare("forking a table of blocks [0, 1, 2]", op="incref")
+    for name, t_ref, t_mine in (("table", tables["ref"], tables["mine"]), ("child", child_ref, child_mine)):
+        for b in t_ref.blocks:
+            r.held.remove(b)
+            shared = r.ref.ref_count(b) > 1
+            r.ref_free(b)
+            r.call(t_mine.allocator.free, b, what=f"a.free({b})  # {name}.free()")
+            r.log.add(f"a.free({b})  # {name} gives block {b} back" + ("; the other table still holds it" if shared else ""))
+            r.compare(f"a.free({b}) by the {name}" + (" (the other table still holds it)" if shared else ""), op="free",
+                      hint=(f"block {b} is shared by two tables (ref count 2): the first free() leaves it in use with count 1; "
+                            "only the second puts it back on the free list." if shared else ""))
+    r.allocate()
+
+
 def _check(cls: type, sharing: bool, seed: int, runs: int, timeout: float, title: str) -> None:
+    refuse_package_class(cls, MUST_WRITE, NAME, "block allocator")
+    _check_members(cls)
     stats = {"ops": 0, "runs": 0, "current": "creating the allocator"}
 
     def body():
+        with guarded("02", NAME):
+            _body()
+
+    def _body():
         _scenarios(cls, stats, sharing)
         rng = random.Random(seed)
         for i in range(runs):

@@ -4,8 +4,11 @@ Each side gets its own reference BlockAllocator, so only the table is under test
 are driven through the same seeded appends (often right at a block boundary), slot-mapping
 queries and frees; after every operation every table's blocks and token count, and the
 pool's free count and ref counts, must agree. free() may give the blocks back in any order:
-after it the check compares which blocks are free, then gives the learner's pool the
-reference's free-list order, so the block ids handed out later are still compared exactly.
+the check records the order the learner's table gave them back in and frees the reference's
+in that same order, so the block ids handed out later are still compared exactly. A forked
+table (``parts.fork_table``) shares its blocks: free() drops one reference to each.
+Only the members of ``minipaged.interfaces.BlockTableProtocol`` are used, and minipaged's
+own BlockTable in the learner's place (an alias, a subclass, a wrapper) is refused.
 """
 from __future__ import annotations
 
@@ -13,8 +16,10 @@ import random
 
 import torch
 
+from .. import parts
 from ..block_allocator import BlockAllocator
 from ..block_table import BlockTable
+from ..interfaces import BlockTableProtocol
 from ._core import (
     DEFAULT_TIMEOUT_S,
     CheckFailed,
@@ -28,9 +33,24 @@ from ._core import (
     plural,
     run_with_time_limit,
     table,
+    watching,
 )
+from ._delegation import guarded, refuse_package_class
 
 NAME = "03 block table"
+MUST_WRITE = ("blocks_needed", "append_tokens", "slot_mapping", "free")
+
+
+class _RecordingPool(BlockAllocator):
+    """minipaged's pool, recording the order in which blocks are given back (for free() in any order)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.freed: list = []
+
+    def free(self, block_id: int) -> None:
+        super().free(block_id)
+        self.freed.append(block_id)
 
 
 _n = plural
@@ -55,7 +75,7 @@ class _Run:
         self.cls, self.label, self.stats = cls, label, stats
         self.bs = block_size
         self.ref_alloc = BlockAllocator(num_blocks, block_size)
-        self.my_alloc = BlockAllocator(num_blocks, block_size)
+        self.my_alloc = _RecordingPool(num_blocks, block_size)
         self.log = Log([f"from minipaged import BlockAllocator",
                         f"pool = BlockAllocator(num_blocks={num_blocks}, block_size={block_size})"])
         self.ref: list[BlockTable | None] = []
@@ -108,7 +128,7 @@ class _Run:
                     h = (f"t{i} holds too few blocks: {r.num_tokens} tokens need ceil({r.num_tokens} / {self.bs}) = {len(r.blocks)} "
                          "blocks of the pool. Round UP: a partly filled block is still a whole block.")
                 else:
-                    h = "take new blocks from the allocator in order (allocator.allocate_many(n) or allocate() n times) and extend self.blocks."
+                    h = "take new blocks from the allocator in order (parts.allocate_many(allocator, n), or allocator.allocate() n times) and extend self.blocks."
                 raise self.fail(f"t{i}'s blocks differ after {after}.",
                                 expected=f"t{i}.blocks == {fmt_list(r.blocks)}, t{i}.num_tokens == {r.num_tokens}",
                                 got=f"t{i}.blocks == {fmt_list(got_list)}, t{i}.num_tokens == {got_tokens!r}",
@@ -117,9 +137,15 @@ class _Run:
                 raise self.fail(f"t{i}.num_tokens differs after {after}.",
                                 expected=f"{r.num_tokens}", got=f"{got_tokens!r}",
                                 hint=hint or "append_tokens(n) adds n to num_tokens (after taking the blocks); free() sets it back to 0.")
-        if self.my_alloc.num_free_blocks != self.ref_alloc.num_free_blocks or self.my_alloc.ref_counts != self.ref_alloc.ref_counts:
-            leaked = [b for b in range(self.ref_alloc.num_blocks)
-                      if self.my_alloc.ref_counts[b] > self.ref_alloc.ref_counts[b]]
+        mine_rc, ref_rc = parts.ref_counts(self.my_alloc), parts.ref_counts(self.ref_alloc)
+        if self.my_alloc.num_free_blocks != self.ref_alloc.num_free_blocks or mine_rc != ref_rc:
+            leaked = [b for b in range(self.ref_alloc.num_blocks) if mine_rc[b] > ref_rc[b]]
+            over = [b for b in range(self.ref_alloc.num_blocks) if mine_rc[b] < ref_rc[b]]
+            if over and not leaked and not hint:
+                hint = (f"block(s) {fmt_list(over)} lost a reference that another table still holds (ref counts now "
+                        f"{fmt_list(mine_rc[b] for b in over)}, expected {fmt_list(ref_rc[b] for b in over)}). A table may "
+                        "share its blocks (a forked sequence): free() calls allocator.free(b) exactly once per block, "
+                        "whatever the block's ref count.")
             raise self.fail(
                 f"the pool differs after {after}.",
                 expected=f"pool.num_free_blocks == {self.ref_alloc.num_free_blocks}",
@@ -167,7 +193,8 @@ class _Run:
             self.log.add(f"{what}  # needs {need} blocks, only {self.ref_alloc.num_free_blocks} free: must raise OutOfBlocksError")
             self.current = what
             try:
-                self.mine[i].append_tokens(n)
+                with watching(what):
+                    self.mine[i].append_tokens(n)
             except NotImplementedError as e:
                 raise not_implemented(_qualname(e.__traceback__)) from None
             except MemoryError:
@@ -252,30 +279,49 @@ class _Run:
     def free(self, i: int) -> None:
         what = f"t{i}.free()"
         held = list(self.ref[i].blocks)
-        self.ref[i].free()
+        shared = [b for b in held if self.ref_alloc.ref_count(b) > 1]
+        self.my_alloc.freed = []
         self.call(self.mine[i].free, what=what)
-        self.log.add(f"{what}  # gives back {held}")
+        order = list(self.my_alloc.freed)
+        if sorted(order) == sorted(held):
+            # Any order is right: the reference gives its blocks back in yours, so later ids still match.
+            for b in order:
+                self.ref_alloc.free(b)
+            self.ref[i].blocks = []
+            self.ref[i].num_tokens = 0
+        else:
+            self.ref[i].free()
+        note = f"; blocks {shared} stay held by another table" if shared else ""
+        self.log.add(f"{what}  # gives back {held}{note}")
         self.stats["ops"] += 1
         self.compare(what, i_focus=i, hint=(
-            f"free() must hand each of the table's blocks ({held}) back with allocator.free(b), then empty self.blocks and "
-            "set num_tokens to 0. Clearing the list alone leaks the blocks: the pool never sees them again."))
-        # The rules ask for every block back, in any order; the order only decides which ids the pool hands
-        # out next. The ref counts (so the set of free blocks) matched above, so line your pool's free list up
-        # with the reference's: later appends are then compared block for block, whatever order you freed in.
-        if sorted(self.my_alloc.free_list) != sorted(self.ref_alloc.free_list):
-            raise self.fail(f"the pool's free list differs after {what}.",
-                            expected=f"the free blocks {sorted(self.ref_alloc.free_list)}",
-                            got=f"{sorted(self.my_alloc.free_list)}",
-                            hint="give blocks back only through allocator.free(b), once per block; never edit the "
-                                 "allocator's free_list or ref_counts yourself.")
-        self.my_alloc.free_list.clear()
-        self.my_alloc.free_list.extend(self.ref_alloc.free_list)
+            f"free() must hand each of the table's blocks ({held}) back with allocator.free(b), once per block, then empty "
+            "self.blocks and set num_tokens to 0. Clearing the list alone leaks the blocks: the pool never sees them again."
+            if not shared else ""))
+
+    def fork(self, i: int) -> None:
+        """t_new = parts.fork_table(t_i) on both sides: a second table sharing every block of t_i."""
+        j = len(self.ref)
+        self.ref.append(parts.fork_table(self.ref[i]))
+        self.mine.append(self.call(parts.fork_table, self.mine[i], what=f"t{j} = parts.fork_table(t{i})"))
+        self.log.add(f"t{j} = parts.fork_table(t{i})  # shares blocks {self.ref[i].blocks}: each ref count is now 2")
+        self.stats["ops"] += 1
+        self.compare(f"t{j} = parts.fork_table(t{i})", i_focus=j)
 
 
 def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: str) -> None:
+    refuse_package_class(cls, MUST_WRITE, NAME, "block table")
+    try:
+        parts.check_part(cls, BlockTableProtocol, "block table")
+    except TypeError as e:
+        raise CheckFailed(f"{NAME}: {e}. Keep the members the workbook's skeleton gives.") from None
     stats = {"ops": 0, "runs": 0, "current": f"creating a {cls.__name__}"}
 
     def body():
+        with guarded("03", NAME):
+            _body()
+
+    def _body():
         # Fixed stories first: they are short, so their failure messages are easy to read.
         r = _Run(cls, 6, 4, 1, "block size 4: 4 tokens fill one block exactly, the 5th opens a second", stats)
         for n in (0, 1, 3, 4, 5):
@@ -296,6 +342,13 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
                 r2.free(1)
                 r2.append(0, 8)
                 r2.free(0)
+                r4 = _Run(cls, 8, 4, 1, "a forked table shares its blocks (parts.fork_table): free() drops one reference each", stats)
+                r4.append(0, 6)
+                r4.fork(0)
+                r4.free(0)
+                r4.append(1, 3)
+                r4.free(1)
+                r4.append(0, 5)
         r3 = _Run(cls, 2, 4, 1, "the pool runs out: the append must take nothing", stats)
         r3.append(0, 5)
         r3.append(0, 4)
@@ -310,6 +363,10 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
                 u = rng.random()
                 if part == "free" and u < 0.15:
                     run.free(i)
+                elif part == "free" and u < 0.2 and run.ref[i].num_tokens > 0 and len(run.ref) < 5:
+                    run.fork(i)  # a second table shares t_i's blocks; both are freed later in the run
+                    if rng.random() < 0.5:
+                        run.free(len(run.ref) - 1)
                 elif part in ("slots", "free") and u < 0.45 and run.ref[i].num_tokens > 0:
                     a = rng.randint(0, run.ref[i].num_tokens)
                     b = rng.randint(a, run.ref[i].num_tokens)

@@ -15,6 +15,24 @@ from ._core import DEFAULT_TIMEOUT_S, failure, learner_call, passed, plural, run
 NAME = "01 KV-cache math"
 
 
+def _watched(body: Callable) -> Callable:
+    """``body`` with the learner's calls watched for calls into minipaged's own KV arithmetic."""
+    from ._delegation import guarded
+
+    def run():
+        with guarded("01", NAME):
+            return body()
+
+    return run
+
+
+def _refuse(*named: tuple) -> None:
+    from ._delegation import refuse_package_function
+
+    for fn, what in named:
+        refuse_package_function(fn, NAME, what)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the KV cache of a model depends on (nothing else about the model matters)."""
@@ -130,6 +148,7 @@ def _factor_hint(got, exp: int, m: ModelShape, probe: Callable | None = None) ->
 
 
 def check_bytes_per_token(bytes_per_token: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    _refuse((bytes_per_token, "bytes_per_token"))
     def body():
         for m in _shapes(0, 10):
             exp = ref_bytes_per_token(m)
@@ -140,13 +159,14 @@ def check_bytes_per_token(bytes_per_token: Callable, timeout: float = DEFAULT_TI
                 raise failure(title, done=_m(m), expected=f"{exp:,} bytes per token", got=f"{got!r}",
                               hint=_factor_hint(got, exp, m, probe=bytes_per_token))
 
-    run_with_time_limit(body, timeout, NAME, lambda: "bytes_per_token(...)")
+    run_with_time_limit(_watched(body), timeout, NAME, lambda: "bytes_per_token(...)")
     b = ref_bytes_per_token(SMOLLM2_135M)
     passed(f"bytes_per_token: right for {len(MODELS) + 10} model shapes. SmolLM2-135M keeps {b:,} bytes "
            f"({b / 1024:.1f} KiB) of KV per token; Llama-3-8B {ref_bytes_per_token(LLAMA3_8B) // 1024} KiB.")
 
 
 def check_bytes_per_sequence(bytes_per_sequence: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    _refuse((bytes_per_sequence, "bytes_per_sequence"))
     def body():
         rng = random.Random(1)
         for m in _shapes(1, 6):
@@ -173,11 +193,12 @@ def check_bytes_per_sequence(bytes_per_sequence: Callable, timeout: float = DEFA
                     raise failure(title, done=desc, expected=f"{exp:,} bytes ({plural(blocks, 'block')} of {bs} slots)",
                                   got=f"{got!r}", hint=h)
 
-    run_with_time_limit(body, timeout, NAME, lambda: "bytes_per_sequence(...)")
+    run_with_time_limit(_watched(body), timeout, NAME, lambda: "bytes_per_sequence(...)")
     passed("bytes_per_sequence: right for every model, block size and length tried (1 token, a full block, one past it).")
 
 
 def check_max_seqs(max_seqs_contiguous: Callable, max_seqs_paged: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    _refuse((max_seqs_contiguous, "max_seqs_contiguous"), (max_seqs_paged, "max_seqs_paged"))
     def body():
         rng = random.Random(2)
         for m in _shapes(2, 6):
@@ -215,7 +236,7 @@ def check_max_seqs(max_seqs_contiguous: Callable, max_seqs_paged: Callable, time
                                  f"sequence = ceil({n} / {bs}) = {blocks}; sequences = {pool} // {blocks}.")
                         raise failure(title, done=_m(m), expected=f"{exp} sequences", got=f"{got!r}", hint=h)
 
-    run_with_time_limit(body, timeout, NAME, lambda: "max_seqs_...(...)")
+    run_with_time_limit(_watched(body), timeout, NAME, lambda: "max_seqs_...(...)")
     m, budget = SMOLLM2_135M, 2 * 2**30
     c = ref_max_seqs_contiguous(m, budget, m.max_model_len)
     p = ref_max_seqs_paged(m, budget, 300, 16)

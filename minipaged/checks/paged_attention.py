@@ -25,6 +25,7 @@ from ._core import (
     passed,
     run_with_time_limit,
 )
+from ._delegation import guarded, refuse_package_function
 
 NAME = "04 paged attention"
 
@@ -103,7 +104,7 @@ def make_case(name: str, focus: str, seqs: list, num_heads: int = 2, num_kv_head
 
 # -- the reference with one mistake switched on (for hints only) ---------------------------------
 def variant_attention(case: Case, causal: str = "suffix", gqa: str = "div", blocks: str = "table",
-                      partial: str = "mask", scaled: bool = True) -> torch.Tensor:
+                      partial: str = "mask", scaled: bool = True, masked_to: float = float("-inf")) -> torch.Tensor:
     q, kc, vc, bt, ctx, qsl, scale = case.args()
     nb, bs, hkv, d = kc.shape
     h = q.shape[1]
@@ -125,7 +126,7 @@ def variant_attention(case: Case, causal: str = "suffix", gqa: str = "div", bloc
         q_pos = torch.arange(first, first + ql).unsqueeze(1)
         k_pos = torch.arange(n_keys).unsqueeze(0)
         if causal != "none" and not (partial == "whole" and ql == 1):
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            scores = scores.masked_fill(k_pos > q_pos, masked_to)
         out[q0:q0 + ql] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
     return out
 
@@ -147,6 +148,9 @@ MISTAKES = [
      "your output matches attending to EVERY slot of the last block, also the ones past context_len. The last block is only "
      "partly filled; the slots after the sequence's end hold garbage (another sequence's or stale data). Keep only the first "
      "context_len gathered tokens, or mask keys at positions >= context_len (a decode step needs that mask too)."),
+    (dict(masked_to=0.0),
+     "your output matches masking the future keys with a score of 0 instead of -inf: 0 is a real score (scores have "
+     "both signs), so exp(0) = 1 still gives those keys weight. Fill them with float('-inf'), whose exp() is exactly 0."),
     (dict(scaled=False),
      "your output matches attention without the scale: multiply q·k by `scale` (1/sqrt(head_dim)) before the softmax."),
 ]
@@ -167,22 +171,80 @@ def _max_score(case: Case) -> float:
     return best
 
 
+def _row_scores(case: Case, t: int, h: int) -> tuple[int, torch.Tensor]:
+    """(sequence, the scaled scores of query row ``t``, head ``h`` over the keys it may see)."""
+    q, kc, _, bt, _, qsl, scale = case.args()
+    hkv = kc.shape[2]
+    s = max(i for i in range(len(case.seqs)) if int(qsl[i]) <= t)
+    c, ql = case.seqs[s]
+    k = ref_gather_kv(kc, bt[s], c).float()[:, h // (q.shape[1] // hkv)]
+    pos = c - ql + (t - int(qsl[s]))
+    return s, (k[: pos + 1] @ q[t, h].float()) * scale
+
+
+def _nan_hint(case: Case, got: torch.Tensor) -> str:
+    bad = (~torch.isfinite(got)).nonzero()
+    t, h = int(bad[0, 0]), int(bad[0, 1])
+    rows = sorted({int(r) for r in bad[:, 0]})
+    s, sc = _row_scores(case, t, h)
+    c, ql = case.seqs[s]
+    pos = c - ql + (t - int(case.query_start_loc[s]))
+    where = (f"row {t} of the output is NaN or inf (out[{t}, {h}], sequence {s}, position {pos} of {c}; "
+             f"{len(rows)} row(s) in all, first {fmt_list(rows[:6])}) where the reference is finite")
+    hi, lo = sc.max().item(), sc.min().item()
+    if hi > 80:
+        return (f"{where}. Its scores reach {hi:.0f}; exp() of anything above 88 overflows float32 to inf, and inf/inf is "
+                "NaN. Subtract each row's maximum before exp (softmax(x) == softmax(x - max(x))), or call torch.softmax, "
+                "which does. Compute in float32.")
+    if hi < -80:
+        return (f"{where}. Every score of that row is negative, between {lo:.0f} and {hi:.0f}: exp() of each underflows to 0, "
+                "so the sum is 0 and 0/0 is NaN. Subtract the row's own maximum, not 0 (start a running maximum at -inf, "
+                "never at 0): then the largest term is exp(0) = 1.")
+    return (f"{where}, and its scores are moderate ({lo:.1f} .. {hi:.1f}): a softmax over an all -inf row? Query "
+            f"position {pos} sees keys 0 .. {pos}, so its row always keeps at least key {pos} (is your mask k_pos >= q_pos, "
+            "which hides the key at the query's own position?). Masked keys beyond context_len must be -inf before the "
+            "softmax and must not divide by a zero sum.")
+
+
+def _pattern_hint(case: Case, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol: float) -> str | None:
+    """What the wrong entries have in common: some heads only (GQA), or some sequences only (their lengths)."""
+    wrong = ((got.float() - exp.float()).abs() > atol + rtol * exp.abs())  # (tokens, heads, dim)
+    per_head = wrong.any(-1)  # (tokens, heads)
+    h, hkv = case.q.shape[1], case.k_cache.shape[2]
+    bad_heads = sorted(int(x) for x in per_head.any(0).nonzero().flatten())
+    rows = per_head.any(1)
+    if 0 < len(bad_heads) < h and bool((per_head[rows].sum(1) < h).all()):
+        group = h // hkv
+        want = [hh // group for hh in range(h)]
+        return (f"only query heads {fmt_list(bad_heads)} of {h} are wrong, the others are right in the same rows: a head "
+                f"mapping error, not the blocks or the mask. With {h} query heads over {hkv} KV heads (groups of {group}), "
+                f"query head h reads KV head h // {group}: {fmt_list(want)}.")
+    qsl = case.query_start_loc.tolist()
+    bs = case.k_cache.shape[1]
+    bad_seqs = [s for s in range(len(case.seqs)) if bool(rows[qsl[s]:qsl[s + 1]].any())]
+    good_seqs = [s for s in range(len(case.seqs)) if s not in bad_seqs]
+    if bad_seqs and good_seqs:
+        on = [s for s in bad_seqs if case.seqs[s][0] % bs == 0]
+        if len(on) == len(bad_seqs) and all(case.seqs[s][0] % bs for s in good_seqs):
+            return (f"only sequences whose context ends exactly on a block boundary are wrong ({fmt_list(bad_seqs)}; block "
+                    f"size {bs}): {case.seqs[bad_seqs[0]][0]} tokens use exactly {case.seqs[bad_seqs[0]][0] // bs} whole blocks. "
+                    "Count blocks with ceil(context_len / block_size) = -(-context_len // block_size), and keep slots < context_len.")
+    return None
+
+
 def diagnose(case: Case, got: torch.Tensor, atol: float, rtol: float) -> str:
     if not torch.isfinite(got).all():
-        bad = (~torch.isfinite(got)).nonzero()[0].tolist()
-        big = _max_score(case)
-        return (f"your output has NaN or inf (first at out[{bad[0]}, {bad[1]}, {bad[2]}]) where the reference is finite. "
-                f"Scores here reach about {big:.0f}; exp() of anything above 88 overflows float32. Subtract each row's maximum "
-                "before exp (softmax(x) == softmax(x - max(x))), or call torch.softmax, which does. Compute in float32.")
+        return _nan_hint(case, got)
+    ref = variant_attention(case)
     for kwargs, hint in MISTAKES:
         try:
             alt = variant_attention(case, **kwargs)
         except Exception:  # a variant that makes no sense for this case
             continue
-        ref = variant_attention(case)
         if not _close(alt, ref, atol, rtol) and _close(got, alt, atol * 10, rtol * 10):
             return hint
-    return case.focus
+    pattern = _pattern_hint(case, got, ref_paged_attention(*case.args()), atol, rtol)
+    return pattern or case.focus
 
 
 # -- cases ----------------------------------------------------------------------------------
@@ -221,6 +283,20 @@ def attention_cases(decode_only: bool = False) -> list[Case]:
                        "subtract the row maximum before exp(): softmax(x) == softmax(x - max(x)).",
                        [(12, 1), (7, 1)] if decode_only else [(12, 4), (7, 1)],
                        num_heads=2, num_kv_heads=1, head_dim=16, seed=10, logit_scale=12.0))
+    c.append(_signed_case("scores of one sign only: every q.k is negative and large (-100 and below)",
+                          "the row's maximum is negative: subtract it (start a running maximum at -inf, never 0).",
+                          [(9, 1), (20, 1)] if decode_only else [(9, 3), (20, 1)], sign=-1.0, seed=11))
+    c.append(_signed_case("scores of both signs (-4 .. 4), so that 0 is a score like any other",
+                          "masked keys are -inf, never 0: here 0 is a real score, larger than many.",
+                          [(13, 1), (6, 1)] if decode_only else [(13, 5), (6, 6)], sign=0.0, seed=12, size=0.2))
+    seqs16 = [(15, 1), (16, 1), (17, 1), (32, 1), (33, 1), (5, 1)]
+    c.append(make_case("block size 16: contexts 15, 16, 17, 32, 33 and 5 (on, before and past each block boundary)",
+                       "a context of exactly n * block_size tokens uses n whole blocks; one more token opens block n + 1.",
+                       seqs16, num_heads=9, num_kv_heads=3, head_dim=16, block_size=16, seed=13))
+    if not decode_only:
+        c.append(make_case("prefill lengths that are not multiples of 16: 19 new over 37, 23 over 23, 7 over 40 (block size 16)",
+                           "new token i sits at position context_len - q_len + i; tiles of 16 must mask the rows and keys past the end.",
+                           [(37, 19), (23, 23), (40, 7)], num_heads=9, num_kv_heads=3, head_dim=16, block_size=16, seed=14))
     for i in range(3):
         g = torch.Generator().manual_seed(100 + i)
         n = int(torch.randint(1, 5, (1,), generator=g))
@@ -234,6 +310,22 @@ def attention_cases(decode_only: bool = False) -> list[Case]:
                            num_heads=hkv * [1, 2, 4][i], num_kv_heads=hkv, head_dim=[8, 16, 32][i],
                            block_size=[4, 8, 16][i], seed=200 + i))
     return c
+
+
+def _signed_case(name: str, focus: str, seqs: list, sign: float, seed: int, size: float = 10.0) -> Case:
+    """Scores of one sign (``sign`` = -1 or 1: q.k all that sign) or both (``sign`` = 0), of magnitude
+    about 10 * ``size`` .. 15 * ``size`` after the scale (``size`` 10: 100 .. 150)."""
+    case = make_case(name, focus, seqs, num_heads=2, num_kv_heads=1, head_dim=16, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    d = case.q.shape[-1]
+    direction = torch.ones(d) / math.sqrt(d)
+    q = direction.expand_as(case.q) * 40.0 + 0.3 * torch.randn(case.q.shape, generator=g)
+    k = case.k_cache.clone()
+    mag = size * (1.0 + 0.5 * torch.rand(k.shape[:-1], generator=g))
+    signs = torch.full(k.shape[:-1], sign) if sign else torch.where(torch.rand(k.shape[:-1], generator=g) < 0.5, -1.0, 1.0)
+    k = direction * (signs * mag).unsqueeze(-1) + 0.3 * torch.randn(k.shape, generator=g)
+    case.q, case.k_cache = q, k  # scaled scores = q.k / 4: magnitudes of about 100 .. 150, the given signs
+    return case
 
 
 def compare_case(case: Case, got, name: str, fn_name: str, atol: float, rtol: float) -> None:
@@ -288,10 +380,15 @@ def case_named(name: str, decode_only: bool = False) -> Case:
 # -- the checks ----------------------------------------------------------------------------
 def check_gather_kv(gather_kv: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """``gather_kv(cache, block_table_row, context_len)`` -> (context_len, num_kv_heads, head_dim)."""
+    refuse_package_function(gather_kv, NAME, "gather_kv")
     cases = [(5, True), (11, False), (8, False), (1, False), (16, False), (23, False)]
     state = {"current": "gather_kv(...)"}
 
     def body():
+        with guarded("04", NAME):
+            _body()
+
+    def _body():
         for i, (ctx, in_order) in enumerate(cases):
             case = make_case("gather", "", [(ctx, 1)], num_heads=2, num_kv_heads=2, head_dim=4, block_size=4,
                              seed=30 + i, in_order=in_order)
@@ -332,10 +429,18 @@ def check_gather_kv(gather_kv: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> 
 
 
 def check_attention_fn(fn: Callable, name: str, cases: list, timeout: float, atol: float, rtol: float,
-                       fn_name: str = "paged_attention", before: Callable[[], None] | None = None) -> int:
+                       fn_name: str = "paged_attention", before: Callable[[], None] | None = None,
+                       workbook: str = "04") -> int:
+    refuse_package_function(fn, name, fn_name)
     state = {"current": "the first case"}
 
     def body():
+        # Triton's interpreter runs about 3x slower under the call watch: there the first cases are watched
+        # (one and many blocks, GQA), which is where a wrapper around minipaged's kernels would show.
+        with guarded(workbook, name, max_calls=4 if workbook == "05" else None):
+            _body()
+
+    def _body():
         if before is not None:
             before()
         for case in cases:

@@ -28,8 +28,10 @@ from ._core import (
     run_with_time_limit,
     table,
 )
+from ._delegation import guarded, refuse_package_class
 
 NAME = "06 scheduler"
+MUST_WRITE = ("add_request", "schedule")  # update, finish, abort are inherited: the contract, not the policy
 EOS = 2
 
 
@@ -53,6 +55,21 @@ class Config:
                 f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.budget}{mml})")
 
 
+def make_scheduler(cls: type, cfg: Config, pool=None):
+    """``cls`` built the way the engine builds its scheduler, on ``pool`` (a fresh one of ``cfg``'s size)."""
+    import inspect
+
+    pool = pool if pool is not None else BlockAllocator(cfg.num_blocks, cfg.block_size)
+    if "config" in inspect.signature(cls.__init__).parameters:  # scheduler_cls(allocator, block_table_cls, config)
+        from ..config import EngineConfig
+
+        config = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs,
+                              max_num_batched_tokens=cfg.budget, max_model_len=cfg.max_model_len)
+        return cls(pool, BlockTable, config)
+    return cls(pool, BlockTable, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.budget,
+               max_model_len=cfg.max_model_len)
+
+
 def _sid(seq) -> str:
     return f"r{seq.seq_id}"
 
@@ -61,12 +78,11 @@ class _Sim:
     def __init__(self, cls: type, cfg: Config, label: str, seed: int, stats: dict, ignore_eos: bool = False) -> None:
         self.cls, self.cfg, self.label, self.seed, self.stats = cls, cfg, label, seed, stats
         self.ignore_eos = ignore_eos  # the fixed stories: every request generates exactly max_tokens
-        self.ref = Scheduler(BlockAllocator(cfg.num_blocks, cfg.block_size), BlockTable, max_num_seqs=cfg.max_num_seqs,
-                             max_num_batched_tokens=cfg.budget, max_model_len=cfg.max_model_len)
+        self.ref = make_scheduler(Scheduler, cfg)
         self.stats["current"] = f"{cfg.describe(cls.__name__)}  ({label})"
-        self.mine = learner_call(cls, BlockAllocator(cfg.num_blocks, cfg.block_size), BlockTable,
-                                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.budget,
-                                 max_model_len=cfg.max_model_len, what=cfg.describe(cls.__name__))
+        # The check keeps its own handle on your scheduler's pool: it reads only SchedulerProtocol's members of yours.
+        self.my_pool = BlockAllocator(cfg.num_blocks, cfg.block_size)
+        self.mine = learner_call(make_scheduler, cls, cfg, self.my_pool, what=cfg.describe(cls.__name__))
         self.ref_seqs: dict[int, Sequence] = {}
         self.my_seqs: dict[int, Sequence] = {}
         self.requests: list[str] = []
@@ -125,7 +141,7 @@ class _Sim:
             ["waiting", ids(self.ref.waiting), ids(self.mine.waiting)],
             ["computed/tokens", seqs(self.ref_seqs), seqs(self.my_seqs)],
             ["free blocks", f"{self.ref.allocator.num_free_blocks} of {self.cfg.num_blocks}",
-             f"{self.mine.allocator.num_free_blocks} of {self.cfg.num_blocks}"],
+             f"{self.my_pool.num_free_blocks} of {self.cfg.num_blocks}"],
         ]
         w = [max(len(r[i]) for r in rows) for i in range(3)]
         body = "\n".join("    " + r[0].ljust(w[0]) + "   " + r[1].ljust(w[1]) + "   " + r[2] for r in rows)
@@ -205,17 +221,27 @@ class _Sim:
         title = f"step {self.step_no}: sched.schedule()"
         if not isinstance(out_m, SchedulerOutput):
             raise self.fail(f"{title} returned {type(out_m).__name__}, not a SchedulerOutput.",
-                            hint="build out = SchedulerOutput(), append ScheduledSeq(seq, num_new_tokens, start) to "
+                            hint="build out = SchedulerOutput(), append ScheduledSeq.of(seq, num_new_tokens) to "
                                  "out.scheduled and preempted sequences to out.preempted, set out.num_batched_tokens, return out.")
         exp = [(s.seq.seq_id, s.num_new_tokens, s.start) for s in out_r.scheduled]
         try:
             got = [(s.seq.seq_id, s.num_new_tokens, s.start) for s in out_m.scheduled]
         except AttributeError as e:
-            raise self.fail(f"{title}: out.scheduled must hold ScheduledSeq(seq, num_new_tokens, start) items.",
+            raise self.fail(f"{title}: out.scheduled must hold ScheduledSeq records (ScheduledSeq.of(seq, num_new_tokens)).",
                             got=str(e), hint="from minipaged.scheduler import ScheduledSeq") from None
         exp_pre = [s.seq_id for s in out_r.preempted]
         got_pre = [getattr(s, "seq_id", s) for s in out_m.preempted]
         if exp == got and exp_pre == got_pre:
+            for r, m in zip(out_r.scheduled, out_m.scheduled):
+                flags_r = (r.samples, r.is_prefill)
+                flags_m = (getattr(m, "samples", None), getattr(m, "is_prefill", None))
+                if flags_r != flags_m:
+                    raise self.fail(f"{title}: the record of {_sid(r.seq)} says samples={flags_m[0]!r}, "
+                                    f"is_prefill={flags_m[1]!r}.", expected=f"samples={flags_r[0]}, is_prefill={flags_r[1]}",
+                                    got=f"samples={flags_m[0]!r}, is_prefill={flags_m[1]!r}", picture=self.picture(out_r, out_m),
+                                    hint="the engine reads these fields and never recomputes them: build each record with "
+                                         "ScheduledSeq.of(seq, n) before moving anything, so start is num_computed_tokens "
+                                         "before the step; samples is start + n == seq.num_tokens.")
             if out_m.num_batched_tokens != out_r.num_batched_tokens:
                 raise self.fail(f"{title}: out.num_batched_tokens is wrong.", expected=f"{out_r.num_batched_tokens}",
                                 got=f"{out_m.num_batched_tokens!r}", picture=self.picture(out_r, out_m),
@@ -227,7 +253,7 @@ class _Sim:
 
     def leaked(self) -> int:
         """Blocks that are neither free nor held by one of your running sequences."""
-        a = self.mine.allocator
+        a = self.my_pool
         held = set()
         for s in self.mine.running:
             if getattr(s, "block_table", None) is not None:
@@ -315,7 +341,7 @@ class _Sim:
                                 "waiting queue (appendleft).")
                     if not hint and what == "blocks" and a is None and b is not None:
                         hint = (f"r{rid} holds blocks {b} but should hold none: set seq.block_table = None after freeing it.")
-        rf, mf = self.ref.allocator.num_free_blocks, self.mine.allocator.num_free_blocks
+        rf, mf = self.ref.allocator.num_free_blocks, self.my_pool.num_free_blocks
         if rf != mf:
             problems.append(("free blocks", str(rf), str(mf)))
             if not hint and mf < rf and self.leaked() > 0:
@@ -347,11 +373,18 @@ def _fixed(part: str) -> list[tuple[str, Config, list[tuple[int, int, int, int]]
              [(0, 0, 6, 4), (0, 1, 6, 4), (0, 2, 6, 4)]),
             ("max_num_seqs=2 with 3 requests", Config(32, 4, 2, 64), [(0, 0, 3, 5), (0, 1, 4, 5), (0, 2, 2, 5)]),
             ("arrivals while others decode", Config(32, 4, 3, 12), [(0, 0, 5, 6), (2, 1, 9, 3), (3, 2, 20, 2), (3, 3, 2, 4)]),
+            # r1 (4 blocks) does not fit the 2 free blocks, r2 (1 block) would: first come, first served admits neither
+            ("the head of the queue does not fit: nobody behind it skips ahead", Config(6, 4, 4, 64),
+             [(0, 0, 12, 6), (1, 1, 16, 2), (1, 2, 3, 2)]),
         ]
     if part == "preemption":
         runs += [
             ("two requests outgrow a pool of 4 blocks", Config(4, 2, 4, 16), [(0, 0, 3, 6), (0, 1, 3, 6)]),
             ("three requests, the newest is preempted first", Config(6, 2, 4, 16), [(0, 0, 2, 7), (0, 1, 2, 7), (0, 2, 2, 7)]),
+            # r1 is preempted with blocks to spare and a token budget left: admitting anyone in that step is the
+            # mistake; r1 goes back to the front, recomputed from 0, ahead of r2, which arrived before it was preempted.
+            ("a step that preempts admits nobody; the preempted go back to the front, from 0", Config(5, 2, 4, 3),
+             [(0, 0, 2, 8), (0, 1, 3, 8), (1, 2, 2, 4)]),
         ]
     if part == "rejection":
         runs += [
@@ -434,13 +467,15 @@ def replay(cls: type, label: str, steps: int, seed: int | None = None):
 
 
 def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: str) -> None:
-    for name in ("add_request", "schedule", "_preempt"):
-        if getattr(cls, name, None) is getattr(Scheduler, name) and cls is not Scheduler:
-            raise CheckFailed(f"{NAME}: {cls.__name__}.{name} is minipaged's own (inherited from Scheduler). "
-                              f"Write your own {name} in the class cell above, run it, then run this check again.")
+    refuse_package_class(cls, MUST_WRITE, NAME, "scheduler")
     stats = {"ops": 0, "runs": 0, "current": f"creating {cls.__name__}"}
 
     def body():
+        # Your add_request and schedule may not call minipaged's (super().schedule(), Scheduler._preempt, ...).
+        with guarded("06", NAME):
+            _body()
+
+    def _body():
         for label, cfg, reqs in _fixed(part):
             _play(cls, label, cfg, reqs, seed, stats, ignore_eos=True)
         for k in range(runs):

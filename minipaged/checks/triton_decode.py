@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from ._core import DEFAULT_TIMEOUT_S, CheckFailed, is_stub, not_implemented, passed, skipped
+from ._delegation import refuse_package_function
 from .paged_attention import Case, attention_cases, check_attention_fn
 
 NAME = "05 Triton decode kernel"
@@ -104,6 +105,9 @@ def check_decode(paged_decode: Callable, kernel=None, timeout: float = DEFAULT_T
         skipped("Triton is not installed on this machine (it has no macOS or Windows build), so the kernel cannot run "
                 "here. Run this workbook on Google Colab (GPU or CPU runtime) or on Linux to check it.")
         return
+    refuse_package_function(paged_decode, NAME, "paged_decode")
+    if kernel is not None:
+        refuse_package_function(kernel, NAME, "paged_decode_kernel")
     if kernel is not None and is_stub(kernel):
         name = getattr(getattr(kernel, "fn", kernel), "__name__", "the kernel")
         raise not_implemented(name)
@@ -112,7 +116,7 @@ def check_decode(paged_decode: Callable, kernel=None, timeout: float = DEFAULT_T
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cases = [_device_case(c, device) for c in attention_cases(decode_only=True)]
     try:
-        n = check_attention_fn(paged_decode, NAME, cases, timeout, atol, rtol, fn_name="paged_decode")
+        n = check_attention_fn(paged_decode, NAME, cases, timeout, atol, rtol, fn_name="paged_decode", workbook="05")
     except CheckFailed as e:
         msg = str(e)
         if "differs from the reference" in msg and "Hint: your output matches" not in msg:

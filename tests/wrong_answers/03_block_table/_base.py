@@ -1,7 +1,7 @@
 """A correct block table that the wrong answers here change one method of (not a wrong answer itself)."""
 import torch
 
-from minipaged import OutOfBlocksError
+from minipaged import OutOfBlocksError, parts
 
 
 class GoodBlockTable:
@@ -19,7 +19,7 @@ class GoodBlockTable:
         need = self.blocks_needed(num_new_tokens)
         if need > self.allocator.num_free_blocks:
             raise OutOfBlocksError(f"need {need}")
-        new = self.allocator.allocate_many(need)
+        new = parts.allocate_many(self.allocator, need)
         self.blocks.extend(new)
         self.num_tokens += num_new_tokens
         return new

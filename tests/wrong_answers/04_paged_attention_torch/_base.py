@@ -3,7 +3,8 @@ import torch
 
 
 def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, *,
-              stable=True, gqa="div", use_table=True, mask_partial=True, causal_offset=True, mask_decode=True):
+              stable=True, gqa="div", use_table=True, mask_partial=True, causal_offset=True, mask_decode=True,
+              max_floor=None, mask_value=float("-inf"), diagonal=True, scaled=True):
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -16,15 +17,22 @@ def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, 
         v = v_cache[rows].reshape(-1, num_kv_heads, head_dim)
         if mask_partial:
             k, v = k[:ctx], v[:ctx]
-        heads = torch.arange(q.shape[1]) // group if gqa == "div" else torch.arange(q.shape[1]) % num_kv_heads
+        if gqa == "div":
+            heads = torch.arange(q.shape[1]) // group
+        elif gqa == "first_kv_head_last":  # heads past the first group read the last KV head
+            heads = torch.clamp(torch.arange(q.shape[1]), max=num_kv_heads - 1)
+        else:
+            heads = torch.arange(q.shape[1]) % num_kv_heads
         k, v = k[:, heads].float(), v[:, heads].float()
-        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * (scale if scaled else 1.0)
         first = ctx - q_len if causal_offset else 0
         q_pos = torch.arange(first, first + q_len)[:, None]
         k_pos = torch.arange(k.shape[0])[None, :]
         if mask_decode or q_len > 1:
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        if stable:
+            scores = scores.masked_fill((k_pos > q_pos) if diagonal else (k_pos >= q_pos), mask_value)
+        if stable and max_floor is not None:
+            p = torch.exp(scores - scores.amax(-1, keepdim=True).clamp(min=max_floor))
+        elif stable:
             p = torch.exp(scores - scores.amax(-1, keepdim=True))
         else:
             p = torch.exp(scores)

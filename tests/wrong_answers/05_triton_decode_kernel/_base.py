@@ -12,7 +12,8 @@ import triton.language as tl
 @triton.jit
 def decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, scale, bt_stride,
                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  USE_TABLE: tl.constexpr, MASK_TAIL: tl.constexpr, GQA_DIV: tl.constexpr, RESCALE: tl.constexpr):
+                  USE_TABLE: tl.constexpr, MASK_TAIL: tl.constexpr, GQA_DIV: tl.constexpr, RESCALE: tl.constexpr,
+                  MAX_FROM_ZERO: tl.constexpr = False):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     if GQA_DIV:
@@ -24,6 +25,8 @@ def decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, scale, bt_strid
     t = tl.arange(0, BLOCK_SIZE)
     q = tl.load(q_ptr + (seq * NUM_HEADS + head) * HEAD_DIM + d).to(tl.float32)
     m = float("-inf")
+    if MAX_FROM_ZERO:
+        m = 0.0
     l = 0.0
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
     for i in range(0, tl.cdiv(ctx, BLOCK_SIZE)):
@@ -50,7 +53,7 @@ def decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, scale, bt_strid
     tl.store(out_ptr + (seq * NUM_HEADS + head) * HEAD_DIM + d, acc / l)
 
 
-def make(use_table=True, mask_tail=True, gqa_div=True, rescale=True):
+def make(use_table=True, mask_tail=True, gqa_div=True, rescale=True, max_from_zero=False):
     def paged_decode(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out=None):
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
@@ -59,6 +62,7 @@ def make(use_table=True, mask_tail=True, gqa_div=True, rescale=True):
         decode_kernel[(num_seqs, num_heads)](
             o, q.contiguous(), k_cache, v_cache, bt, context_lens, scale, bt.shape[1],
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            USE_TABLE=use_table, MASK_TAIL=mask_tail, GQA_DIV=gqa_div, RESCALE=rescale)
+            USE_TABLE=use_table, MASK_TAIL=mask_tail, GQA_DIV=gqa_div, RESCALE=rescale,
+            MAX_FROM_ZERO=max_from_zero)
         return o.to(q.dtype)
     return paged_decode

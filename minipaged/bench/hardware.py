@@ -1,0 +1,139 @@
+"""This machine's ceilings: memory bandwidth, GEMM rate, and the roofline of a decode step.
+
+Owns the measurements a roofline needs and the arithmetic that predicts from them:
+
+- bandwidth, STREAM-like: a read (a sum over a buffer far larger than the caches) and a copy
+  into a preallocated buffer (``dst.copy_(src)``: no allocation inside the timing, unlike
+  ``clone()``), best of several runs;
+- GEMM FLOP/s, best of several runs;
+- a decode step's arithmetic intensity against batch size: ``B`` sequences each use every
+  weight once (2 flops per weight per sequence) while the weights are read once per step;
+- the batch where decode turns compute-bound, predicted (where the intensity reaches the
+  machine's ridge point) and measured (timing the model's own linear layers at each batch).
+
+It never runs the engine; ``minipaged.bench.serving`` reads these figures.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+
+def _best(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up: first-touch page faults and lazy init stay out of the timing
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bandwidth(mib: int = 256, repeats: int = 5) -> dict[str, float]:
+    """GB/s of a STREAM-like read and copy over ``mib`` MiB of fp32, best of ``repeats`` runs.
+
+    read: ``src.sum()`` touches every byte once. copy: ``dst.copy_(src)`` into a buffer allocated
+    before the clock starts, counted as bytes read + bytes written (STREAM's convention).
+    """
+    n = mib * 2**20 // 4
+    src = torch.rand(n)
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * src.element_size()
+    read = _best(lambda: src.sum(), repeats)
+    copy = _best(lambda: dst.copy_(src), repeats)
+    return {"read_GBps": nbytes / read / 1e9, "copy_GBps": 2 * nbytes / copy / 1e9, "buffer_mib": float(mib)}
+
+
+def gemm_gflops(n: int = 1024, repeats: int = 8, dtype: torch.dtype = torch.float32) -> float:
+    """Square matmul rate of this machine (GFLOP/s), best of ``repeats`` runs."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    return 2 * n**3 / _best(lambda: torch.matmul(a, b, out=out), repeats) / 1e9
+
+
+def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The 2-D weights a decode step multiplies by (every linear layer and the LM head, not the
+    embedding lookup, which reads one row per token)."""
+    ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = getattr(model, "lm_head", None)
+    if head is None or not isinstance(head, torch.nn.Linear):
+        emb = getattr(model, "embed_tokens", None)
+        if emb is not None and getattr(model.config, "tie_word_embeddings", False):
+            ws.append(emb.weight)  # the tied LM head multiplies by the embedding matrix
+    return ws
+
+
+def decode_intensity(num_params: int, batch: int, bytes_per_param: float = 4.0, kv_bytes_per_seq: float = 0.0) -> float:
+    """Flops per byte of one decode step: 2 * params * batch flops over the weights read once
+    plus each sequence's KV (read once, used for a handful of flops per byte)."""
+    return 2.0 * num_params * batch / (num_params * bytes_per_param + batch * kv_bytes_per_seq)
+
+
+def predicted_compute_bound_batch(gflops: float, gbps: float, bytes_per_param: float = 4.0) -> float:
+    """The batch at which the weight traffic stops being the bottleneck: intensity = ridge.
+
+    With weights only, intensity = 2 * B / bytes_per_param, so B* = ridge * bytes_per_param / 2
+    (fp32: B* = 2 x ridge; fp16: B* = ridge).
+    """
+    ridge = gflops / gbps
+    return ridge * bytes_per_param / 2.0
+
+
+@torch.inference_mode()
+def time_linear_layers(weights: list[torch.Tensor], batch: int, repeats: int = 3) -> float:
+    """Seconds for one decode step's matmuls at ``batch`` sequences: x (batch, in) @ W.T for every W."""
+    xs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
+    outs = [torch.empty(batch, w.shape[0], dtype=w.dtype) for w in weights]
+
+    def step() -> None:
+        for x, w, o in zip(xs, weights, outs):
+            torch.matmul(x, w.t(), out=o)
+
+    return _best(step, repeats)
+
+
+def measured_knee(batches: list[int], seconds: list[float]) -> float | None:
+    """Where the flat (memory-bound) part of time-vs-batch meets its compute-bound growth.
+
+    The roofline's construction applied to data: the floor is the time at the smallest batch, the
+    compute slope is the marginal cost per sequence between the two largest batches, and the knee
+    is the batch where that slope alone costs the floor. None while the largest batch has not yet
+    doubled the floor's time (still memory-bound within the batches measured).
+    """
+    floor = seconds[0]
+    if len(batches) < 2 or seconds[-1] < 2 * floor:
+        return None
+    slope = (seconds[-1] - seconds[-2]) / (batches[-1] - batches[-2])
+    return floor / slope if slope > 0 else None
+
+
+def roofline(model: torch.nn.Module, batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128),
+             bw: dict[str, float] | None = None, gflops: float | None = None, repeats: int = 3) -> dict[str, Any]:
+    """The model's decode roofline on this machine: predicted and measured compute-bound batch."""
+    bw = bw or bandwidth()
+    gflops = gflops or gemm_gflops()
+    weights = linear_weights(model)
+    num_params = sum(w.numel() for w in weights)
+    bpp = float(weights[0].element_size())
+    gbps = bw["read_GBps"]
+    secs = [time_linear_layers(weights, b, repeats) for b in batches]
+    rows = []
+    for b, s in zip(batches, secs):
+        flops = 2.0 * num_params * b
+        rows.append({
+            "batch": b, "seconds": s, "gflops": flops / s / 1e9, "tokens_per_s": b / s,
+            "intensity": decode_intensity(num_params, b, bpp),
+            "roofline_seconds": max(num_params * bpp / (gbps * 1e9), flops / (gflops * 1e9)),
+        })
+    return {
+        "gemm_gflops": gflops, "bandwidth": bw, "ridge_flops_per_byte": gflops / gbps,
+        "linear_params": num_params, "bytes_per_param": bpp,
+        "weights_read_seconds": num_params * bpp / (gbps * 1e9),
+        "predicted_compute_bound_batch": predicted_compute_bound_batch(gflops, gbps, bpp),
+        "measured_compute_bound_batch": measured_knee(list(batches), secs),
+        "by_batch": rows,
+        "note": "decode matmuls only (every linear layer and the LM head); attention reads each sequence's own "
+                "KV once for ~1 flop per byte at any batch, so it stays memory-bound",
+    }

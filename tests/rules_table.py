@@ -1,0 +1,127 @@
+"""The rule table as data: every rule a workbook states -> the check that tests it -> a wrong
+answer in tests/wrong_answers/ that breaks only that rule. tests/test_rules.py holds the table
+to the workbooks and runs it; tests/test_checks.py runs the wrong answers the table does not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rule:
+    workbook: str  # stem of the workbook that states the rule
+    rule: str  # a phrase of the workbook's text that states it
+    check: str  # "module:function"
+    wrong: str  # tests/wrong_answers/<workbook>/<wrong>.py: breaks only this rule
+    kind: str = "rule"  # rule | numerical | sharing | preemption | delegation
+
+
+KV = "minipaged.checks.kv_cache_math"
+BA = "minipaged.checks.block_allocator"
+BT = "minipaged.checks.block_table"
+PA = "minipaged.checks.paged_attention"
+TD = "minipaged.checks.triton_decode"
+SC = "minipaged.checks.scheduler"
+AS = "minipaged.checks.assemble"
+
+RULES = [
+    # 01: KV-cache arithmetic
+    Rule("01_kv_cache_math", "one key and one value", f"{KV}:check_bytes_per_token", "forgot_k_and_v"),
+    Rule("01_kv_cache_math", "numbers of `dtype_bytes` bytes", f"{KV}:check_bytes_per_token", "forgot_dtype_bytes"),
+    Rule("01_kv_cache_math", "just enough whole blocks", f"{KV}:check_bytes_per_sequence", "no_whole_blocks", "numerical"),
+    Rule("01_kv_cache_math", "the last one may be partly empty", f"{KV}:check_bytes_per_sequence",
+         "block_boundary_off_by_one", "numerical"),
+    Rule("01_kv_cache_math", "takes only the blocks it needs", f"{KV}:check_max_seqs", "paged_by_tokens"),
+    Rule("01_kv_cache_math", "Whole sequences only.", f"{KV}:check_max_seqs", "float_division"),
+    Rule("01_kv_cache_math", "The checks refuse minipaged's own arithmetic in your place", f"{KV}:check_bytes_per_token", "calls_package_memory", "delegation"),
+    # 02: the block allocator
+    Rule("02_block_allocator", "takes the block at the **front** of the free list", f"{BA}:check_allocate_free", "lifo_free_list"),
+    Rule("02_block_allocator", "sets its count to 1", f"{BA}:check_allocate_free", "allocate_no_ref_count"),
+    Rule("02_block_allocator", "A freed block goes to the **back**", f"{BA}:check_allocate_free", "freed_to_front"),
+    Rule("02_block_allocator", "at 0 the block is free again", f"{BA}:check_sharing", "shared_block_freed", "sharing"),
+    Rule("02_block_allocator", "stays in use until both have freed it", f"{BA}:check_sharing", "shared_block_freed", "sharing"),
+    Rule("02_block_allocator", "raises `OutOfBlocksError`", f"{BA}:check_allocate_free", "full_pool_indexerror"),
+    Rule("02_block_allocator", "of a free block raises `BlockAllocatorError`", f"{BA}:check_sharing", "double_free_silent"),
+    Rule("02_block_allocator", "Misuse raises, and changes nothing", f"{BA}:check_sharing", "misuse_changes_state"),
+    Rule("02_block_allocator", "The check refuses minipaged's own `BlockAllocator` in your place", f"{BA}:check_allocate_free",
+         "alias_of_reference", "delegation"),
+    Rule("02_block_allocator", "called from your methods", f"{BA}:check_sharing", "wraps_reference", "delegation"),
+    # 03: the block table
+    Rule("03_block_table", "16 tokens in blocks of 16 fill exactly one block", f"{BT}:check_growth", "boundary_off_by_one",
+         "numerical"),
+    Rule("03_block_table", "**All or nothing**", f"{BT}:check_growth", "not_all_or_nothing"),
+    Rule("03_block_table", "return the new blocks", f"{BT}:check_growth", "append_returns_nothing"),
+    Rule("03_block_table", "`self.blocks` lists the physical blocks in logical order", f"{BT}:check_growth", "blocks_out_of_order"),
+    Rule("03_block_table", "as an int64 tensor", f"{BT}:check_slot_mapping", "slots_float_division"),
+    Rule("03_block_table", "`slot_mapping(start, end)`: the slots of positions", f"{BT}:check_slot_mapping", "slots_ignore_table"),
+    Rule("03_block_table", "give every block back (`allocator.free(b)`, once per block)", f"{BT}:check_free", "free_leaks_blocks"),
+    Rule("03_block_table", "drops only this table's one reference to each block", f"{BT}:check_free",
+         "free_drops_every_reference", "sharing"),
+    Rule("03_block_table", "they refuse minipaged's own `BlockTable` in your place", f"{BT}:check_growth",
+         "subclass_overrides_nothing", "delegation"),
+    # 04: paged attention in PyTorch
+    Rule("04_paged_attention_torch", "is physical block `block_tables[s, i]`", f"{PA}:check_gather_kv", "gather_logical_order"),
+    Rule("04_paged_attention_torch", "the rest of the last block is garbage", f"{PA}:check_gather_kv", "gather_whole_last_block",
+         "numerical"),
+    Rule("04_paged_attention_torch", "Only the first `context_len` slots hold this sequence's tokens", f"{PA}:check_paged_attention",
+         "partial_block_unmasked", "numerical"),
+    Rule("04_paged_attention_torch", "query head `h` reads KV head `h // (num_heads // num_kv_heads)`",
+         f"{PA}:check_paged_attention", "gqa_modulo"),
+    Rule("04_paged_attention_torch", "**GQA**", f"{PA}:check_paged_attention", "gqa_clamped_heads"),
+    Rule("04_paged_attention_torch", "sits at position `context_len - q_len + i`", f"{PA}:check_paged_attention", "causal_from_zero"),
+    Rule("04_paged_attention_torch", "sees keys `0 ..` that position", f"{PA}:check_paged_attention", "mask_hides_diagonal",
+         "numerical"),
+    Rule("04_paged_attention_torch", "scores can be in the hundreds", f"{PA}:check_paged_attention", "softmax_no_max", "numerical"),
+    Rule("04_paged_attention_torch", "scores = q @ k^T * scale (the `scale` argument", f"{PA}:check_paged_attention", "no_scale"),
+    Rule("04_paged_attention_torch", "of either sign", f"{PA}:check_paged_attention", "masked_with_zero", "numerical"),
+    Rule("04_paged_attention_torch", "a row's scores can all be negative", f"{PA}:check_paged_attention", "max_floored_at_zero",
+         "numerical"),
+    Rule("04_paged_attention_torch", "it refuses minipaged's attention in your place (passed under another name",
+         f"{PA}:check_paged_attention", "torch_backend_alias", "delegation"),
+    Rule("04_paged_attention_torch", "or called from inside yours", f"{PA}:check_paged_attention", "wraps_reference", "delegation"),
+    # 05: the Triton decode kernel
+    Rule("05_triton_decode_kernel", "`block = block_tables[seq, i]`", f"{TD}:check_decode", "logical_block_order"),
+    Rule("05_triton_decode_kernel", "(**mask** the rest: they are garbage)", f"{TD}:check_decode", "tail_unmasked", "numerical"),
+    Rule("05_triton_decode_kernel", "load K of KV head `head // (NUM_HEADS // NUM_KV_HEADS)`", f"{TD}:check_decode", "gqa_modulo"),
+    Rule("05_triton_decode_kernel", "`alpha = exp(m - m_new)`", f"{TD}:check_decode", "no_rescale", "numerical"),
+    Rule("05_triton_decode_kernel", 'Start from `m = float("-inf")`', f"{TD}:check_decode", "max_starts_at_zero", "numerical"),
+    Rule("05_triton_decode_kernel", "The check refuses minipaged's own Triton kernels", f"{TD}:check_decode",
+         "wraps_package_kernel", "delegation"),
+    # 06: the scheduler
+    Rule("06_scheduler", "reject at once", f"{SC}:check_rejection", "never_rejects"),
+    Rule("06_scheduler", "a prompt of `max_model_len` tokens or more", f"{SC}:check_rejection", "prompt_limit_off_by_one"),
+    Rule("06_scheduler", "more blocks than the *whole* pool", f"{SC}:check_rejection", "rejects_on_free_blocks"),
+    Rule("06_scheduler", "`out.num_batched_tokens` = tokens scheduled", f"{SC}:check_admission", "batched_tokens_unset"),
+    Rule("06_scheduler", "n = min(seq.num_tokens - seq.num_computed_tokens, budget)", f"{SC}:check_admission",
+         "past_token_budget"),
+    Rule("06_scheduler", "len(self.running) < self.max_num_seqs", f"{SC}:check_admission", "ignores_max_num_seqs"),
+    Rule("06_scheduler", "nobody skips the head", f"{SC}:check_admission", "skips_the_head"),
+    Rule("06_scheduler", "preempt `self.running[-1]` (the most recently admitted", f"{SC}:check_preemption", "preempts_oldest",
+         "preemption"),
+    Rule("06_scheduler", "but not in a step that preempted", f"{SC}:check_preemption", "admits_after_preempting", "preemption"),
+    Rule("06_scheduler", "free its blocks (`seq.block_table.free()`", f"{SC}:check_preemption", "preempt_without_free",
+         "preemption"),
+    Rule("06_scheduler", "set `num_computed_tokens = 0`", f"{SC}:check_preemption", "preempt_keeps_progress", "preemption"),
+    Rule("06_scheduler", "put it at the **front** of `self.waiting`", f"{SC}:check_preemption", "preempted_to_back", "preemption"),
+    Rule("06_scheduler", "the check refuses a scheduler whose `add_request` or `schedule` is minipaged's", f"{SC}:check_admission",
+         "subclass_overrides_nothing", "delegation"),
+    Rule("06_scheduler", "or calls it (`super().schedule()`", f"{SC}:check_admission", "calls_reference_schedule", "delegation"),
+    Rule("06_scheduler", "The policy is yours", f"{SC}:check_preemption", "alias_of_reference", "delegation"),
+    # 07: the assembled engine
+    Rule("07_assemble", "it checks that every part serving is yours", f"{AS}:check_engine", "reference_scheduler", "delegation"),
+    Rule("07_assemble", "no call into minipaged's own allocator, table, scheduling policy or attention", f"{AS}:check_engine",
+         "reference_attention", "delegation"),
+    Rule("07_assemble", "it also compares every step's schedule", f"{AS}:check_engine", "policy_differs_in_engine", "preemption"),
+    Rule("07_assemble", "with a deliberately small KV pool", f"{AS}:check_engine", "ignores_engine_args"),
+    Rule("07_assemble", "plugs them into minipaged's engine, and serves SmolLM2-135M-Instruct with them", f"{AS}:check_engine",
+         "attention_raises_in_engine"),
+    Rule("07_assemble", "**from your own workbook files**", f"{AS}:load_parts", "missing_workbook"),
+    Rule("07_assemble", "runs each part's check again", f"{AS}:load_parts", "part_fails_its_check"),
+]
+# Wrong answers that test the checks' own machinery (time limit, a renamed class), not a stated rule.
+NOT_A_RULE = {"02_block_allocator/endless_loop", "07_assemble/renamed_class"}
+
+
+# The rows run by tests/test_rules.py (workbook 07's need the model: tests/test_checks.py runs those).
+RUN = [r for r in RULES if not r.workbook.startswith("07_")]
+RUN_FILES = {f"{r.workbook}/{r.wrong}" for r in RUN}

@@ -1,0 +1,208 @@
+"""The rule table (tests/rules_table.py): every rule a workbook states -> the check that tests it
+-> a wrong answer that breaks only that rule.
+
+Each row names a phrase of the solution workbook's own text (so a rule that is reworded or
+dropped shows up here), the check function, and a wrong answer in tests/wrong_answers/. The
+tests below hold the table to the files: the phrase is in the workbook, the wrong answer
+exists and names the same check, it is rejected by that check with its EXPECT phrases (and
+none of its UNEXPECTED ones), and the solution passes that check. Every wrong-answer file is
+in the table, and the issue's categories (numerical edges, sharing through forked tables, the
+rules of a step that preempts, delegation) each have rows in the workbooks that state them.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import io
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # workbook 05's kernels run in Triton's interpreter
+
+from minipaged.checks import CheckFailed, CheckTimeout, NotImplementedYet  # noqa: E402
+from minipaged.checks._workbooks import run_workbook_cells  # noqa: E402
+
+from rules_table import NOT_A_RULE, RULES, RUN, Rule  # noqa: E402
+from test_checks import WRONG, _answer, _load  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = ROOT / "solutions"
+
+
+def _id(r: Rule) -> str:
+    return f"{r.workbook[:2]}:{r.wrong}"
+
+
+@functools.lru_cache(maxsize=None)
+def _text(stem: str) -> str:
+    nb = nbformat.read(SOLUTIONS / f"{stem}.ipynb", as_version=4)
+    return "\n".join(c.source for c in nb.cells)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=_id)
+def test_rule_is_stated_and_its_wrong_answer_names_the_check(rule: Rule) -> None:
+    assert rule.rule in _text(rule.workbook), f"solutions/{rule.workbook}.ipynb no longer says {rule.rule!r}: update the table"
+    path = WRONG / rule.workbook / f"{rule.wrong}.py"
+    assert path.exists(), f"no wrong answer {path.relative_to(ROOT)}"
+    mod = _load(path)
+    assert mod.CHECK == rule.check, f"{path.name} is checked by {mod.CHECK}, the table says {rule.check}"
+    assert mod.EXPECT, f"{path.name}: EXPECT names what the message must say"
+
+
+def test_every_wrong_answer_is_in_the_table() -> None:
+    listed = {f"{r.workbook}/{r.wrong}" for r in RULES} | NOT_A_RULE
+    files = {f"{p.parent.name}/{p.stem}" for p in WRONG.glob("*/*.py") if not p.name.startswith("_")}
+    assert files <= listed, f"wrong answers missing from the rule table: {sorted(files - listed)}"
+
+
+def test_the_categories_are_covered() -> None:
+    kinds = {(r.workbook[:2], r.kind) for r in RULES}
+    for wb in ("01", "02", "03", "04", "05", "06", "07"):
+        assert (wb, "delegation") in kinds, f"workbook {wb} has no delegation row"
+    for wb in ("01", "03", "04", "05"):
+        assert (wb, "numerical") in kinds, f"workbook {wb} has no numerical-edge row"
+    for wb in ("02", "03"):  # both say "ref count" / "shares": a forked table must be among their cases
+        assert (wb, "sharing") in kinds
+    assert sum(1 for r in RULES if r.kind == "preemption" and r.workbook == "06_scheduler") >= 5
+
+
+# -- running the table (workbook 07's rows need the model: tests/test_checks.py runs those) -------------
+_RUN = RUN
+
+
+@pytest.mark.parametrize("rule", _RUN, ids=_id)
+def test_wrong_answer_fails_its_check_with_its_message(rule: Rule) -> None:
+    mod = _load(WRONG / rule.workbook / f"{rule.wrong}.py")
+    module, fn_name = rule.check.split(":")
+    check = getattr(importlib.import_module(module), fn_name)
+    with pytest.raises(CheckFailed) as info, contextlib.redirect_stdout(io.StringIO()):
+        check(*_answer(mod), **getattr(mod, "KWARGS", {}))
+    assert not isinstance(info.value, (NotImplementedYet, CheckTimeout)), str(info.value)
+    msg = str(info.value).lower()
+    missing = [e for e in mod.EXPECT if e.lower() not in msg]
+    assert not missing, f"{rule.wrong}: the message lacks {missing}:\n\n{info.value}"
+    unwanted = [e for e in getattr(mod, "UNEXPECTED", []) if e.lower() in msg]
+    assert not unwanted, f"{rule.wrong}: the message should not say {unwanted}:\n\n{info.value}"
+
+
+_SOLUTION_ARGS = {
+    "check_bytes_per_token": ("01_kv_cache_math", ["bytes_per_token"]),
+    "check_bytes_per_sequence": ("01_kv_cache_math", ["bytes_per_sequence"]),
+    "check_max_seqs": ("01_kv_cache_math", ["max_seqs_contiguous", "max_seqs_paged"]),
+    "check_allocate_free": ("02_block_allocator", ["MyBlockAllocator"]),
+    "check_sharing": ("02_block_allocator", ["MyBlockAllocator"]),
+    "check_growth": ("03_block_table", ["MyBlockTable"]),
+    "check_slot_mapping": ("03_block_table", ["MyBlockTable"]),
+    "check_free": ("03_block_table", ["MyBlockTable"]),
+    "check_gather_kv": ("04_paged_attention_torch", ["gather_kv"]),
+    "check_paged_attention": ("04_paged_attention_torch", ["paged_attention"]),
+    "check_decode": ("05_triton_decode_kernel", ["paged_decode"]),
+    "check_admission": ("06_scheduler", ["MyScheduler"]),
+    "check_preemption": ("06_scheduler", ["MyScheduler"]),
+    "check_rejection": ("06_scheduler", ["MyScheduler"]),
+}
+
+
+@pytest.mark.parametrize("check", sorted({r.check for r in _RUN}))
+def test_solution_passes_the_check(check: str) -> None:
+    module, fn_name = check.split(":")
+    stem, names = _SOLUTION_ARGS[fn_name]
+    if stem.startswith("05_"):
+        pytest.importorskip("triton")
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        ns = run_workbook_cells(SOLUTIONS / f"{stem}.ipynb")
+        getattr(importlib.import_module(module), fn_name)(*[ns[n] for n in names])
+    assert "\u2714" in out.getvalue(), out.getvalue()
+
+
+def test_table_size() -> None:
+    # The report quotes this number; it only grows.
+    assert len(RULES) >= 55, len(RULES)
+
+
+# -- the workbooks hold no copied package code: a learner's class has exactly the Protocol's members ---
+def _own_members(cls: type) -> set:
+    return {n for n in vars(cls) if not n.startswith("__") or n == "__init__"} - {"__init__"}
+
+
+@pytest.mark.parametrize("stem, name, protocol, extra", [
+    ("02_block_allocator", "MyBlockAllocator", "BlockPool", set()),
+    ("03_block_table", "MyBlockTable", "BlockTableProtocol", set()),
+    ("06_scheduler", "MyScheduler", None, {"add_request", "schedule", "_preempt"}),
+])
+def test_solution_classes_hold_only_what_the_learner_writes(stem: str, name: str, protocol, extra: set) -> None:
+    from minipaged import interfaces, parts
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        cls = run_workbook_cells(SOLUTIONS / f"{stem}.ipynb")[name]
+    if protocol is not None:
+        proto = getattr(interfaces, protocol)
+        assert _own_members(cls) <= set(interfaces.PROTOCOL_MEMBERS[proto]), (
+            f"{name} defines {sorted(_own_members(cls) - set(interfaces.PROTOCOL_MEMBERS[proto]))}, which "
+            f"interfaces.{protocol} does not hold: that is pasted package code (use minipaged.parts)")
+        assert parts.missing_members(cls, proto) == [], parts.missing_members(cls, proto)
+    else:
+        assert _own_members(cls) == extra, sorted(_own_members(cls))
+    from minipaged.checks._delegation import _member_code, in_package
+
+    for n in _own_members(cls):  # none of it is minipaged's code
+        code = _member_code(vars(cls)[n])
+        assert code is None or not in_package(code), f"{name}.{n} is minipaged's code"
+
+
+def test_the_fork_case_alone_catches_the_sharing_rows() -> None:
+    """The rows about forked tables: their wrong answers fail in the fork story itself, not only elsewhere."""
+    from minipaged.checks import block_allocator
+
+    mod = _load(WRONG / "02_block_allocator" / "shared_block_freed.py")
+    stats = {"ops": 0, "runs": 0, "current": ""}
+    with pytest.raises(CheckFailed, match="a forked table shares all its blocks"):
+        block_allocator._fork_scenario(mod.MyBlockAllocator, stats)
+    with contextlib.redirect_stdout(io.StringIO()):
+        good = run_workbook_cells(SOLUTIONS / "02_block_allocator.ipynb")["MyBlockAllocator"]
+    block_allocator._fork_scenario(good, stats)
+
+
+def test_a_thread_started_by_the_learner_is_watched() -> None:
+    import threading
+
+    from minipaged import BlockAllocator
+    from minipaged.checks import block_allocator
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        good = run_workbook_cells(SOLUTIONS / "02_block_allocator.ipynb")["MyBlockAllocator"]
+
+    class Threaded(good):
+        def allocate(self):
+            box = []
+            t = threading.Thread(target=lambda: box.append(BlockAllocator(2, 1).allocate()))
+            t.start()
+            t.join()
+            return super().allocate()
+
+    with pytest.raises(CheckFailed, match="minipaged's own implementation"):
+        block_allocator.check_allocate_free(Threaded)
+
+
+def test_the_call_watch_imports_no_kernel_module() -> None:
+    """Watching for minipaged's Triton kernels must not import them: that would define the kernels
+    before TRITON_INTERPRET is set, and a later lesson on the CPU could not run them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from minipaged.checks import paged_attention as pa\n"
+            "from minipaged.checks._workbooks import run_workbook_cells\n"
+            f"ns = run_workbook_cells({str(SOLUTIONS / '04_paged_attention_torch.ipynb')!r})\n"
+            "pa.check_paged_attention(ns['paged_attention'])\n"
+            "assert 'minipaged.attention.triton_paged' not in sys.modules, 'imported'\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
