@@ -123,3 +123,14 @@ def test_a_failing_llama_cpp_run_is_reported_not_fatal(tmp_path):
     assert "output_tokens_per_s" not in d and "exit status 1" in d["skipped"]
     with pytest.raises(ValueError, match="one max_tokens"):
         speed.run_batch1_llama_cpp(tmp_path / "missing.gguf", [Request([1], 4), Request([1], 5)], threads=1)
+
+
+def test_both_systems_run_the_same_requests_to_the_same_length(tiny_model):
+    from conftest import tiny_hf_model
+
+    model, tok = tiny_model
+    reqs = [Request(tok.encode("hello there"), 5), Request(tok.encode("a longer prompt than that one"), 5)]
+    mp = speed.run_minipaged(model, tok, reqs, max_num_seqs=2, max_num_batched_tokens=64, attention="torch")
+    assert mp["output_tokens"] == 10 and [len(t) for t in mp["token_ids"]] == [5, 5]
+    hf = speed.run_transformers(tiny_hf_model(), reqs, batch_size=2)
+    assert hf["output_tokens"] == 10 and hf["batch_size"] == 2 and hf["output_tokens_per_s"] > 0

@@ -101,12 +101,11 @@ def run_minipaged(model, tokenizer, requests: list[Request], max_num_seqs: int, 
 
 def run_transformers(hf_model, requests: list[Request], batch_size: int, pad_id: int = 0) -> dict:
     """transformers' ``generate`` on left-padded batches of ``batch_size``, greedy, exactly max_tokens each."""
-    from .serving import run_hf
+    from .baselines import run_hf
 
-    wl = Workload("chat", requests, 0, "")
-    d = run_hf(hf_model, wl, batch_size, pad_id=pad_id)
-    return {"seconds": d["seconds"], "output_tokens": d["output_tokens"], "output_tokens_per_s": d["output_tokens_per_s"],
-            "batch_size": batch_size}
+    res = run_hf(hf_model, [(r.prompt_token_ids, r.max_tokens) for r in requests], batch_size, pad_id=pad_id)
+    got = sum(len(res.outputs[i]) for i in range(len(requests)))
+    return {"seconds": res.seconds, "output_tokens": got, "output_tokens_per_s": got / res.seconds, "batch_size": batch_size}
 
 
 def run_batch1_minipaged(model, tokenizer, requests: list[Request], attention: Any = "torch") -> dict:
@@ -213,7 +212,7 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
         S["minipaged"] = dict(d, batch_size=batch_size, max_num_batched_tokens=max_num_batched_tokens, attention=attention)
         _say("minipaged", S["minipaged"])
     if "transformers" in systems:
-        from .serving import load_hf_peer
+        from .baselines import load_hf_peer
 
         hf = load_hf_peer(str(default_model_path()))
         if hf is None:
