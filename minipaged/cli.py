@@ -1,4 +1,7 @@
-"""The command line: ``minipaged demo | bench | grade | info``."""
+"""The command line: ``minipaged demo | serve | bench [SUB] | grade | info``, one argparse tree.
+
+Owns the commands' names and wiring only: each command's module declares its own arguments
+(``add_arguments(parser)``) and does the work (``run(args)``)."""
 from __future__ import annotations
 
 import argparse
@@ -99,9 +102,37 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+# ``minipaged bench SUB``: each module offers add_arguments(parser) and run(args) (and main(argv)
+# for ``python -m``). The bench's own options (no SUB) run the serving experiments.
+BENCH_COMMANDS = [
+    ("kernels", ".bench.kernels", "time the Triton paged decode kernel on a GPU (GB/s against the copy bandwidth)"),
+    ("speed", ".bench.speed", "minipaged against transformers' generate at the same batch, and the fp32 GEMM ceiling"),
+    ("profile", ".bench.profile", "where a step's time goes at batch 1, 16 and 64"),
+    ("detok", ".bench.detok", "what detokenizing costs per token, incremental against a full re-decode"),
+    ("prefix", ".bench.prefix", "a shared system prompt with the prefix cache on and off"),
+]
+
+
+def _module(name: str):
+    import importlib
+
+    return importlib.import_module(name, __package__)
+
+
+def _add_module_command(sub, name: str, module: str, help: str) -> argparse.ArgumentParser | None:
+    try:
+        mod = _module(module)
+    except ImportError:  # a command whose module is not in this install: leave it out of the menu
+        return None
+    p = sub.add_parser(name, help=help, description=(mod.__doc__ or help).strip().splitlines()[0])
+    mod.add_arguments(p)
+    p.set_defaults(fn=mod.run, _parser=p)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="minipaged", description="A small paged-attention LLM engine and its course.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{demo,serve,bench,grade,info}")
     d = sub.add_parser("demo", help="serve several chat prompts at once with the default model and report what happened")
     d.add_argument("--model", default=None, help="a GGUF file or a local Hugging Face folder (default: SmolLM2-135M-Instruct)")
     d.add_argument("--num-prompts", type=int, default=10)
@@ -112,23 +143,32 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(fn=_demo)
     i = sub.add_parser("info", help="versions, GPU, Triton mode, where the default model is")
     i.set_defaults(fn=_info)
-    b = sub.add_parser("bench", help="measure naive vs static vs continuous batching, KV waste, concurrency (see --help)", add_help=False)
-    b.set_defaults(fn=None)
-    g = sub.add_parser("grade", help="grade workbooks: minipaged grade PATH... [--csv FILE]", add_help=False)
-    g.set_defaults(fn=None)
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        from .bench.__main__ import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv and argv[0] == "grade":
-        from .grading import main as grade_main
-
-        return grade_main(argv[1:])
-    args = ap.parse_args(argv)
+    serving = _module(".bench.serving")
+    b = sub.add_parser("bench", help="the serving experiments: {contiguous, paged} x {static, continuous}, naive, "
+                                     "transformers, an online sweep (or a sub-command: kernels, speed, profile, serve, ...)",
+                       description=(serving.__doc__ or "").strip().splitlines()[0])
+    serving.add_arguments(b)
+    b.set_defaults(fn=serving.run, _parser=b)
+    bsub = b.add_subparsers(dest="bench_cmd", metavar="{kernels,speed,profile,detok,prefix,serve}")
+    for name, module, help in BENCH_COMMANDS:
+        _add_module_command(bsub, name, module, help)
     try:
-        return args.fn(args)
+        from .server.cli import add_bench_serve_parser, add_serve_parser
+    except ImportError:
+        add_bench_serve_parser = add_serve_parser = None
+    if add_bench_serve_parser is not None:
+        add_bench_serve_parser(bsub)
+        add_serve_parser(sub)
+    _add_module_command(sub, "grade", ".checks.grading", "grade a class's workbooks in a sandbox with the exercises' own checks")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return args.fn(args) or 0
     except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"minipaged {args.cmd}: error: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
+    # None: on when the scheduler's schedule() declares "prefix_caching" (minipaged's does);
+    # True: on, refused for a scheduler that does not declare it; False: off
+    enable_prefix_caching: bool | None = None
     record_trace: bool = True
 
     def __post_init__(self) -> None:
@@ -44,6 +47,9 @@ class EngineConfig:
         for name in ("enable_chunked_prefill", "record_trace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True, False or None (on when the scheduler supports it), "
+                             f"got {self.enable_prefix_caching!r}")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return replace(self, **changes)
@@ -57,10 +63,12 @@ class Parts:
     block_table_cls: Any = None  # default: minipaged.BlockTable
     scheduler_cls: Any = None  # default: minipaged.Scheduler
     attention: Any = "auto"  # "auto", "torch", "triton", "reference", or a paged_attention function
+    prefix_cache_cls: Any = None  # default: minipaged.prefix_cache.PrefixCache (used when prefix caching is on)
 
     def resolved(self) -> "Parts":
         from .block_allocator import BlockAllocator
         from .block_table import BlockTable
+        from .prefix_cache import PrefixCache
         from .scheduler import Scheduler
 
         return Parts(
@@ -68,6 +76,7 @@ class Parts:
             self.block_table_cls or BlockTable,
             self.scheduler_cls or Scheduler,
             self.attention,
+            self.prefix_cache_cls or PrefixCache,
         )
 
 

@@ -34,10 +34,23 @@ from .config import CONFIG_FIELDS, PARTS_FIELDS, EngineConfig, Parts, split_kwar
 from .detokenizer import StopChecker
 from .interfaces import BlockPool, BlockTableProtocol, SchedulerProtocol
 from .kv_cache import KVCache, kv_bytes_per_token, plan_num_blocks
-from .parts import check_part, require_support
+from .parts import check_part, declared_support, require_support
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams
 from .sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request (vLLM's CompletionOutput): with ``SamplingParams(n=k)``, k of them."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    finished: bool
+    delta_text: str = ""
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -46,6 +59,9 @@ class RequestOutput:
 
     ``text`` is the whole answer so far (cut before a stop string); ``delta_text`` is what this
     output adds to the previous one of the same request (what a stream sends next).
+    ``outputs`` holds every sample (one, unless ``SamplingParams.n > 1``), in sample order;
+    ``text``, ``token_ids``, ``delta_text`` and ``finish_reason`` are sample 0's, so code written
+    for one sample keeps working, and ``finished`` is True once every sample is done.
     """
 
     request_id: str
@@ -59,6 +75,7 @@ class RequestOutput:
     num_preemptions: int = 0
     metrics: dict = field(default_factory=dict)  # arrival, first_token and finish times (s)
     delta_text: str = ""
+    outputs: list = field(default_factory=list)  # a CompletionOutput per sample, sample 0 first
 
     def __repr__(self) -> str:
         text = self.text if len(self.text) < 60 else self.text[:57] + "..."
@@ -70,6 +87,25 @@ class _Request:
     seq: Sequence
     params: SamplingParams
     prompt: Any
+    samples: list = field(default_factory=list)  # every sequence of the request (n), sample 0 first
+
+    def __post_init__(self) -> None:
+        if not self.samples:
+            self.samples = [self.seq] + list(self.seq.forks)
+
+
+def resolve_prefix_caching(setting: bool | None, scheduler_cls: type) -> bool:
+    """None (the default): on when the scheduler's ``schedule`` declares ``prefix_caching``
+    (minipaged's does); True: on, refused for a scheduler that does not declare it; False: off."""
+    from .parts import declared_support
+
+    if setting is None:
+        return "prefix_caching" in declared_support(scheduler_cls, "schedule")
+    if not isinstance(setting, bool):
+        raise ValueError(f"enable_prefix_caching must be True, False or None (on when the scheduler supports it), got {setting!r}")
+    if setting:
+        require_support(scheduler_cls, "schedule", "prefix_caching", "enable_prefix_caching=True", "scheduler")
+    return setting
 
 
 class _Guard:
@@ -127,7 +163,8 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len} is past the model's {positions} positions "
                 f"({mcfg.name}): use max_model_len <= {positions}"
             )
-        config = config.replace(max_model_len=config.max_model_len or positions)
+        config = config.replace(max_model_len=config.max_model_len or positions,
+                                enable_prefix_caching=resolve_prefix_caching(config.enable_prefix_caching, parts.scheduler_cls))
         num_blocks = plan_num_blocks(config, mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
                                      config.max_model_len, self.dtype, self.device)
         self.config, self.parts = config, parts
@@ -144,6 +181,18 @@ class LLMEngine:
                 f"your allocator {type(self.allocator).__name__}(num_blocks={num_blocks}, block_size={config.block_size}) "
                 f"reports num_blocks={self.allocator.num_blocks}, block_size={self.allocator.block_size}: keep the ones it is given"
             )
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            from .prefix_cache import PREFIX_CACHE_MEMBERS
+
+            # the cache is the pool the scheduler and block tables see (its free count includes cached
+            # blocks nobody holds); the allocator it wraps stays at self.prefix_cache.pool
+            self.prefix_cache = parts.prefix_cache_cls(self.allocator)
+            missing = [m for m in PREFIX_CACHE_MEMBERS if not hasattr(self.prefix_cache, m)]
+            if missing:
+                raise TypeError(f"your prefix cache {type(self.prefix_cache).__name__} has no "
+                                f"{', '.join(f'`{m}`' for m in missing)}: see minipaged.prefix_cache.PrefixCacheProtocol")
+            self.allocator = self.prefix_cache
         check_part(parts.block_table_cls(self.allocator), BlockTableProtocol, "block table")
         self.scheduler = parts.scheduler_cls(self.allocator, parts.block_table_cls, config)
         check_part(self.scheduler, SchedulerProtocol, "scheduler")
@@ -153,6 +202,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.device)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}  # unfinished requests (finished ones are pruned)
+        self._request_of: dict[str, str] = {}  # seq id of sample i >= 1 -> its request id
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # rejected / aborted / failed: reported by the next step()
         self._guard = _Guard()
@@ -274,6 +324,12 @@ class LLMEngine:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
             token_ids = self.encode_prompt(prompt)
+            if params.n > 1 and "parallel_sampling" not in declared_support(type(self.scheduler), "schedule"):
+                raise ValueError(
+                    f"SamplingParams(n={params.n}) needs a scheduler whose schedule() gives every sample a seat, and "
+                    f"{type(self.scheduler).__name__}.schedule does not declare it (supports = {{'parallel_sampling'}}): "
+                    "send n separate requests instead (seeds seed, seed + 1, ...), or use minipaged's Scheduler"
+                )
             source = self.tokenizer if self.tokenizer is not None else self.model.config
             eos = tuple(getattr(source, "eos_token_ids", ()) or ())
             seq = Sequence(
@@ -285,6 +341,15 @@ class LLMEngine:
                 self.config.max_model_len, self.tokenizer,
             )
             seq.arrival_time = time.perf_counter() - self.t0
+            # parallel sampling: samples 1..n-1 wait in seq.forks until the prompt is computed once
+            for i in range(1, params.n):
+                f = Sequence(f"{request_id}#{i}", token_ids, max_tokens=params.max_tokens, eos_token_ids=eos,
+                             stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos, sampling_params=params)
+                f.stop_checker = StopChecker(params.max_tokens, len(token_ids), eos, params.stop_token_ids, params.stop,
+                                             params.ignore_eos, self.config.max_model_len, self.tokenizer)
+                f.arrival_time = seq.arrival_time
+                seq.forks.append(f)
+            req = _Request(seq, params, prompt)
             if self._first_arrival is None:
                 self._first_arrival = seq.arrival_time
             self._totals["requests"] += 1
@@ -294,10 +359,16 @@ class LLMEngine:
                     raise RuntimeError(f"{type(self.scheduler).__name__}.add_request returned False but queued {seq}")
                 seq.finish_time = seq.arrival_time
                 self._totals["rejected"] += 1
-                self._pending.append(self._output(seq, _Request(seq, params, prompt)))
+                for f in req.samples[1:]:
+                    f.finish_time = seq.finish_time
+                seq.forks = []
+                self._pending.append(self._output(seq, req))
                 return request_id
-            self.requests[request_id] = _Request(seq, params, prompt)
-            self.sampler.add(request_id, params)
+            self.requests[request_id] = req
+            for i, q in enumerate(req.samples):  # sample i draws from seed + i: reproducible alone or in a batch
+                self.sampler.add(q.seq_id, params if params.seed is None or i == 0 else replace(params, seed=params.seed + i))
+                if i:
+                    self._request_of[q.seq_id] = request_id
             return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -313,33 +384,40 @@ class LLMEngine:
     def _end(self, req: _Request, reason: FinishReason, error: str | None = None) -> None:
         """Finish ``req`` outside the normal stop rule (abort, error): free it, report it next step."""
         seq = req.seq
-        try:
-            self.scheduler.finish(seq, reason)
-        except Exception as e:  # a learner's finish() that raises must not lose the request
-            error = f"{error + '; ' if error else ''}finish() raised {type(e).__name__}: {e}"
-        if seq.block_table is not None:  # a finish() that forgot the blocks: give them back here
+        for q in req.samples:  # every sample of the request that is still going
+            if q.is_finished and q is not seq:
+                continue
             try:
-                seq.block_table.free()
-            except Exception:
-                pass
-            seq.block_table = None
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        if error is not None:
-            seq.reject_reason = error
-        seq.stop_checker.finish(reason)
-        seq.finish_time = time.perf_counter() - self.t0
+                self.scheduler.finish(q, reason)
+            except Exception as e:  # a learner's finish() that raises must not lose the request
+                error = f"{error + '; ' if error else ''}finish() raised {type(e).__name__}: {e}"
+            if q.block_table is not None:  # a finish() that forgot the blocks: give them back here
+                try:
+                    q.block_table.free()
+                except Exception:
+                    pass
+                q.block_table = None
+            q.status = SequenceStatus.FINISHED
+            q.finish_reason = reason
+            if error is not None:
+                q.reject_reason = error
+            q.stop_checker.finish(reason)
+            q.finish_time = time.perf_counter() - self.t0
         self._totals["aborted" if reason is FinishReason.ABORT else "errors"] += 1
         self._retire(req)
         self._pending.append(self._output(seq, req))
 
     def _retire(self, req: _Request) -> None:
-        seq = req.seq
-        self.requests.pop(seq.seq_id, None)
-        self.sampler.remove(seq.seq_id)
-        self._totals["generated_tokens"] += len(seq.output_token_ids)
-        self._totals["preemptions"] += seq.num_preemptions
-        self._last_finish = max(self._last_finish, seq.finish_time or 0.0)
+        self.requests.pop(req.seq.seq_id, None)
+        for q in req.samples:
+            self._request_of.pop(q.seq_id, None)
+            self.sampler.remove(q.seq_id)
+            self._totals["generated_tokens"] += len(q.output_token_ids)
+            self._totals["preemptions"] += q.num_preemptions
+            self._last_finish = max(self._last_finish, q.finish_time or 0.0)
+
+    def _request(self, seq: Sequence) -> "_Request | None":
+        return self.requests.get(self._request_of.get(seq.seq_id, seq.seq_id))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending)
@@ -368,12 +446,20 @@ class LLMEngine:
                             f"{self.allocator.num_free_blocks} free blocks. A scheduler must make progress every step."
                         )
                     return outputs
+                if out.blocks_to_copy:
+                    from .prefix_cache import copy_blocks
+
+                    copy_blocks(self.kv_cache, out.blocks_to_copy)  # copy-on-write, before this step writes K/V
                 inputs = self.runner.prepare(out)
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
                 sampled: dict = {}
                 if inputs.samplers:
                     logits = self.model.compute_logits(hidden[inputs.sample_rows])
-                    seqs = [s.seq for s in inputs.samplers]
+                    # a prompt computed for n samples: its one row of logits gives every sample's first token
+                    who = [(i, q) for i, s in enumerate(inputs.samplers) for q in [s.seq] + list(s.seq.forks)]
+                    if len(who) > len(inputs.samplers):
+                        logits = logits[torch.tensor([i for i, _ in who], device=logits.device)]
+                    seqs = [q for _, q in who]
                     tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.sampling_params for s in seqs])
                     sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
                 now = time.perf_counter() - self.t0
@@ -381,24 +467,31 @@ class LLMEngine:
             except Exception as e:
                 return outputs + self._fail_step(out, e)
             changed = []
-            for s in inputs.samplers:
-                seq = s.seq
+            for seq in [q for s in inputs.samplers for q in [s.seq] + [f for f in self._samples_of(s.seq)[1:]]]:
+                if seq.seq_id not in sampled:
+                    continue
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                if seq.is_finished:
+                if seq.is_finished and seq.finish_time is None:
                     seq.finish_time = now
                 changed.append(seq)
             self.num_steps += 1
             if self.trace is not None:
                 self.trace.record(self.scheduler, out, now)
+            seen: set[str] = set()
             for seq in changed:
-                req = self.requests.get(seq.seq_id)
-                if req is None:
+                req = self._request(seq)
+                if req is None or req.seq.seq_id in seen:
                     continue
-                outputs.append(self._output(seq, req))
-                if seq.is_finished:
+                seen.add(req.seq.seq_id)
+                outputs.append(self._output(req.seq, req))
+                if all(q.is_finished for q in req.samples):
                     self._retire(req)
             return outputs
+
+    def _samples_of(self, seq: Sequence) -> list:
+        req = self._request(seq)
+        return req.samples if req is not None and req.seq is seq else [seq]
 
     def _fail_step(self, out: Any, error: Exception) -> list[RequestOutput]:
         """Finish the requests of a step that raised with finish_reason "error"; keep the rest."""
@@ -411,8 +504,8 @@ class LLMEngine:
         else:
             seqs = [s.seq for s in out.scheduled]
         for seq in seqs:
-            req = self.requests.get(seq.seq_id)
-            if req is not None:
+            req = self._request(seq)
+            if req is not None and req.seq.seq_id in self.requests:
                 self._end(req, FinishReason.ERROR, msg)
         if not seqs:  # nothing to blame: surface the error rather than spin
             raise error
@@ -421,20 +514,29 @@ class LLMEngine:
         return failed
 
     def _output(self, seq: Sequence, req: _Request) -> RequestOutput:
-        checker = seq.stop_checker
-        reason = seq.finish_reason.value if seq.finish_reason is not None and seq.is_finished else None
+        outs = []
+        for i, q in enumerate(req.samples):
+            checker = q.stop_checker
+            reason = q.finish_reason.value if q.finish_reason is not None and q.is_finished else None
+            outs.append(CompletionOutput(i, checker.text if checker is not None else "", list(q.output_token_ids), reason,
+                                         q.is_finished, checker.pop_delta() if checker is not None else "", q.num_preemptions))
+        done = all(o.finished for o in outs)
+        firsts = [q.first_token_time for q in req.samples if q.first_token_time is not None]
+        ends = [q.finish_time for q in req.samples if q.finish_time is not None]
         return RequestOutput(
             request_id=seq.seq_id,
             prompt=req.prompt,
             prompt_token_ids=list(seq.prompt_token_ids),
-            text=checker.text if checker is not None else "",
-            token_ids=list(seq.output_token_ids),
-            finish_reason=reason,
-            finished=seq.is_finished,
+            text=outs[0].text,
+            token_ids=outs[0].token_ids,
+            finish_reason=outs[0].finish_reason if done else None,
+            finished=done,
             error=seq.reject_reason,
-            num_preemptions=seq.num_preemptions,
-            metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time, "finish_time": seq.finish_time},
-            delta_text=checker.pop_delta() if checker is not None else "",
+            num_preemptions=sum(o.num_preemptions for o in outs),
+            metrics={"arrival_time": seq.arrival_time, "first_token_time": min(firsts) if firsts else None,
+                     "finish_time": max(ends) if done and ends else None},
+            delta_text=outs[0].delta_text,
+            outputs=outs,
         )
 
     def run(self, progress: bool = False, desc: str = "generating") -> dict[str, RequestOutput]:
@@ -458,7 +560,7 @@ class LLMEngine:
     def stats(self) -> dict:
         """What the engine did so far, in numbers a person can read."""
         t = self._totals
-        gen = t["generated_tokens"] + sum(len(r.seq.output_token_ids) for r in self.requests.values())
+        gen = t["generated_tokens"] + sum(len(q.output_token_ids) for r in self.requests.values() for q in r.samples)
         wall = self._last_finish - self._first_arrival if self._first_arrival is not None else 0.0
         info = {
             "requests": t["requests"],
@@ -473,8 +575,12 @@ class LLMEngine:
             "num_blocks": self.allocator.num_blocks,
             "block_size": self.block_size,
             "kv_cache_mib": self.kv_cache.nbytes / 2**20,
-            "preemptions": t["preemptions"] + sum(r.seq.num_preemptions for r in self.requests.values()),
+            "preemptions": t["preemptions"] + sum(q.num_preemptions for r in self.requests.values() for q in r.samples),
         }
+        if self.prefix_cache is not None:
+            ps = getattr(self.scheduler, "prefix_stats", None)
+            info.update(prefix_hit_rate=ps.hit_rate if ps else None, prefix_hit_tokens=ps.hit_tokens if ps else None,
+                        cached_blocks=self.prefix_cache.num_cached_blocks, evictions=self.prefix_cache.num_evictions)
         if self.trace is not None and self.trace.steps:
             info.update(
                 peak_blocks_used=self.trace.peak_blocks_used,

@@ -40,6 +40,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings: the text is cut before them
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # benchmarks set it, so every system generates exactly max_tokens
+    # n > 1: n samples of one prompt, computed once and sharing its KV blocks (copy-on-write).
+    # With a seed, sample i draws from seed + i, so it equals a single request with that seed.
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +71,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n (samples of the prompt) must be an int >= 1, got {self.n!r}")
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise ValueError(f"sample i uses seed + i: seed={self.seed} with n={self.n} passes 2**63-1; use a smaller seed")
 
     @property
     def greedy(self) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .parts import cdiv, check_scheduler
+from .prefix_cache import PrefixStats, cache_computed_blocks, copy_on_write, num_cow_blocks
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -50,6 +51,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting in this step
     finished: list[Sequence] = field(default_factory=list)  # filled by update(): done in this step
     num_batched_tokens: int = 0
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step writes
 
     @property
     def is_empty(self) -> bool:
@@ -65,14 +67,20 @@ class Scheduler:
     - when a running sequence needs a block and none is free, the most recently admitted
       running sequence is preempted: its blocks are freed, ``num_computed_tokens`` reset to
       0, and it goes back to the front of the waiting queue to be recomputed later;
-    - a request that could not fit even in an empty pool is rejected at once.
+    - a request that could not fit even in an empty pool is rejected at once;
+    - with prefix caching (the allocator is a prefix cache), an admitted sequence shares the
+      cached blocks of its longest cached prefix and starts computing past them; blocks that
+      become full are cached after each step; a sequence about to write into a block another
+      table shares gets its own copy first (copy-on-write, listed in ``blocks_to_copy``);
+    - parallel sampling: a prompt's samples (``seq.forks``) are forked from it, sharing its
+      blocks, when its prompt is computed; each needs a seat under ``max_num_seqs`` from admission.
 
     ``add_request`` and ``schedule`` are the policy (the workbook has you write them);
     ``update``, ``finish`` and ``abort`` are the bookkeeping every policy shares.
     """
 
     # Non-default settings this class's schedule() handles (see interfaces.py).
-    supports = frozenset({"chunked_prefill_off"})
+    supports = frozenset({"chunked_prefill_off", "prefix_caching", "parallel_sampling"})
 
     def __init__(
         self, allocator: Any, block_table_cls: type | None = None, config: EngineConfig | None = None, **settings: Any
@@ -88,6 +96,15 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
+        pc = self.config.enable_prefix_caching
+        has_cache = hasattr(allocator, "match_prefix")
+        if pc and not has_cache:
+            raise ValueError(
+                f"enable_prefix_caching=True needs a prefix cache as the allocator ({type(allocator).__name__} has no "
+                "match_prefix): wrap the pool, e.g. PrefixCache(BlockAllocator(...)), or turn prefix caching off"
+            )
+        self.prefix_caching = has_cache if pc is None else pc
+        self.prefix_stats = PrefixStats()
 
     # the settings, by the names the policy uses
     @property
@@ -114,6 +131,8 @@ class Scheduler:
             seq.status = SequenceStatus.REJECTED
             seq.finish_reason = FinishReason.REJECTED
             seq.reject_reason = reason
+            for f in seq.forks:  # parallel sampling: its samples go with it
+                f.status, f.finish_reason, f.reject_reason = seq.status, seq.finish_reason, reason
             return False
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
@@ -130,6 +149,9 @@ class Scheduler:
                 f"the prompt has {seq.num_prompt_tokens} tokens but the model's context is {self.max_model_len}: "
                 "shorten the prompt"
             )
+        if 1 + len(seq.forks) > self.max_num_seqs:
+            return (f"asks for {1 + len(seq.forks)} samples (n) but max_num_seqs={self.max_num_seqs} sequences run at "
+                    "once: lower n or raise max_num_seqs")
         total = seq.max_total_tokens
         if self.max_model_len is not None:
             total = min(total, self.max_model_len)
@@ -164,7 +186,8 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             table = seq.block_table
-            while table.blocks_needed(n) > self.allocator.num_free_blocks:
+            start = seq.num_computed_tokens
+            while table.blocks_needed(n) + num_cow_blocks(table, start, start + n) > self.allocator.num_free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -172,6 +195,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: everyone after it is gone too
+            out.blocks_to_copy.extend(copy_on_write(table, start, start + n))
             table.append_tokens(n)
             out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
@@ -179,20 +203,37 @@ class Scheduler:
 
         # 2. Admit waiting sequences in arrival order (not in a step that had to preempt:
         #    memory is short, and admitting now would only preempt again).
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # a running prompt's samples not forked yet (parallel sampling) will need seats too
+        seats = len(self.running) + sum(len(s.forks) for s in self.running)
+        while not out.preempted and self.waiting and budget > 0 and seats < self.max_num_seqs:
             seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            if seats + 1 + len(seq.forks) > self.max_num_seqs:
+                break
+            table = self.block_table_cls(self.allocator)
+            hit = self.allocator.match_prefix(seq.token_ids) if self.prefix_caching else []
+            num_cached = len(hit) * self.allocator.block_size
+            remaining = seq.num_tokens - num_cached
             if not self.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
-            table = self.block_table_cls(self.allocator)
-            if table.blocks_needed(n) > self.allocator.num_free_blocks:
+            revived = sum(1 for b in hit if self.allocator.ref_count(b) == 0)  # cached, held by nobody: counted as free
+            if cdiv(num_cached + n, self.allocator.block_size) - len(hit) + revived > self.allocator.num_free_blocks:
                 break
+            if hit:  # share the cached prefix: its tokens count as computed
+                for b in hit:
+                    self.allocator.incref(b)
+                table.blocks = list(hit)
+                table.num_tokens = num_cached
+            seq.num_computed_tokens = num_cached
+            if self.prefix_caching:
+                self.prefix_stats.queried_tokens += seq.num_tokens
+                self.prefix_stats.hit_tokens += num_cached
             table.append_tokens(n)
             self.waiting.popleft()
             seq.block_table = table
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            seats += 1 + len(seq.forks)
             out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
 
@@ -211,6 +252,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             seq.num_computed_tokens += s.num_new_tokens
+            if self.prefix_caching:
+                cache_computed_blocks(self.allocator, seq.token_ids, seq.block_table.blocks, s.start, seq.num_computed_tokens)
             if not s.samples:
                 continue
             if seq.seq_id not in sampled:
@@ -222,11 +265,33 @@ class Scheduler:
                     seq.max_tokens, seq.num_prompt_tokens, seq.eos_token_ids, seq.stop_token_ids,
                     ignore_eos=seq.ignore_eos, max_model_len=self.max_model_len,
                 )
+            if seq.forks:
+                self._fork(seq, sampled, out)
             seq.append_token(sampled[seq.seq_id])
             if seq.finish_reason is not None:
                 self.finish(seq, seq.finish_reason)
                 out.finished.append(seq)
         return out.finished
+
+    def _fork(self, seq: Sequence, sampled: dict, out: SchedulerOutput) -> None:
+        """Parallel sampling: ``seq``'s prompt is computed; each pending sample gets a table that
+        shares all its blocks (a write into a shared block is copied first), and its own token."""
+        from .parts import fork_table
+
+        forks, seq.forks = seq.forks, []
+        for f in forks:
+            if f.is_finished:
+                continue  # aborted meanwhile
+            if f.seq_id not in sampled:
+                raise KeyError(f"no sampled token for sample {f.seq_id!r} of {seq.seq_id!r}")
+            f.block_table = fork_table(seq.block_table)
+            f.num_computed_tokens = seq.num_computed_tokens
+            f.status = SequenceStatus.RUNNING
+            self.running.append(f)
+            f.append_token(sampled[f.seq_id])
+            if f.finish_reason is not None:
+                self.finish(f, f.finish_reason)
+                out.finished.append(f)
 
     # -- state changes ---------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
@@ -250,6 +315,9 @@ class Scheduler:
             seq.block_table = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        for f in seq.forks:  # samples not forked yet end with it
+            f.status, f.finish_reason = SequenceStatus.FINISHED, reason
+        seq.forks = []
 
     def abort(self, seq_id) -> Sequence | None:
         for seq in list(self.running) + list(self.waiting):

@@ -50,6 +50,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     block_table: "BlockTable | None" = None
+    # parallel sampling: samples 1..n-1 of this request, forked from it (sharing its blocks)
+    # when its prompt is computed and its first token sampled; empty once forked
+    forks: list = field(default_factory=list)
     # the one rule that decides when this request is done (detokenizer.StopChecker); the
     # engine attaches one with the tokenizer and stop strings, else one is made from the fields above
     stop_checker: Any = None

@@ -44,6 +44,18 @@ class StepRecord:
     blocks_free: int | None = None
     owners: list | None = None
     tables: dict | None = None
+    # prefix caching (None when it is off): prompt tokens found cached / asked for so far,
+    # blocks findable by hash now, and cached blocks evicted so far
+    hit_tokens: int | None = None
+    queried_tokens: int | None = None
+    cached_blocks: int | None = None
+    evictions: int | None = None
+
+    @property
+    def hit_rate(self) -> float | None:
+        if self.queried_tokens is None:
+            return None
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     @property
     def wasted_slots(self) -> int:
@@ -57,6 +69,8 @@ class StepRecord:
             "reserved_slots": self.reserved_slots, "used_slots": self.used_slots,
             "slots": [[k, v] for k, v in self.slots.items()],  # JSON keys must be strings; ids need not be
             "blocks_used": self.blocks_used, "blocks_free": self.blocks_free,
+            "hit_tokens": self.hit_tokens, "queried_tokens": self.queried_tokens,
+            "cached_blocks": self.cached_blocks, "evictions": self.evictions,
         }
         if self.owners is not None:
             d["owners"] = [list(o) if isinstance(o, tuple) else o for o in self.owners]
@@ -146,6 +160,10 @@ class Trace:
             preemptions=scheduler.num_preemptions, reserved_slots=reserved, used_slots=used, slots=slots,
             blocks_used=parts.num_used_blocks(alloc), blocks_free=alloc.num_free_blocks, owners=owners, tables=tables,
         )
+        stats = getattr(scheduler, "prefix_stats", None)
+        if stats is not None and getattr(scheduler, "prefix_caching", False):
+            rec.hit_tokens, rec.queried_tokens = stats.hit_tokens, stats.queried_tokens
+            rec.cached_blocks, rec.evictions = alloc.num_cached_blocks, alloc.num_evictions
         self.steps.append(rec)
         return rec
 
@@ -236,6 +254,8 @@ class Trace:
             "mean_concurrency": sum(len(r.slots) for r in self.steps) / len(self.steps) if self.steps else 0.0,
             "preemptions": self.steps[-1].preemptions if self.steps else 0,
             "rejected": len(self.rejected),
+            "prefix_hit_rate": self.steps[-1].hit_rate if self.steps else None,
+            "evictions": self.steps[-1].evictions if self.steps else None,
         }
 
     def to_dict(self) -> dict:

@@ -23,6 +23,7 @@ PA = "minipaged.checks.paged_attention"
 TD = "minipaged.checks.triton_decode"
 SC = "minipaged.checks.scheduler"
 AS = "minipaged.checks.assemble"
+PC = "minipaged.checks.prefix_cache"
 
 RULES = [
     # 01: KV-cache arithmetic
@@ -117,6 +118,23 @@ RULES = [
          "attention_raises_in_engine"),
     Rule("07_assemble", "**from your own workbook files**", f"{AS}:load_parts", "missing_workbook"),
     Rule("07_assemble", "runs each part's check again", f"{AS}:load_parts", "part_fails_its_check"),
+    # 08: the prefix cache and copy-on-write
+    Rule("08_prefix_caching", "`parent` is the previous block's hash", f"{PC}:check_hash_chain", "hash_without_parent"),
+    Rule("08_prefix_caching", "two blocks are the same only if their whole prefixes are", f"{PC}:check_lookup_and_eviction",
+         "chain_restarts_at_root"),
+    Rule("08_prefix_caching", "Only **full** blocks", f"{PC}:check_lookup_and_eviction", "caches_partial_block"),
+    Rule("08_prefix_caching", "It looks only at `token_ids[:-1]`", f"{PC}:check_lookup_and_eviction", "last_token_counted"),
+    Rule("08_prefix_caching", "A cached block at ref count 0 is **evictable**", f"{PC}:check_lookup_and_eviction",
+         "evicts_referenced_block", "sharing"),
+    Rule("08_prefix_caching", "evict the least recently released evictable block", f"{PC}:check_lookup_and_eviction",
+         "evicts_most_recent"),
+    Rule("08_prefix_caching", "minus the cache's own hold", f"{PC}:check_lookup_and_eviction", "counts_own_hold", "sharing"),
+    Rule("08_prefix_caching", "whose `table.allocator.ref_count(b) > 1`", f"{PC}:check_copy_on_write",
+         "writes_into_shared_block", "sharing"),
+    Rule("08_prefix_caching", "A block this table holds alone is written in place", f"{PC}:check_copy_on_write",
+         "copies_blocks_held_alone", "sharing"),
+    Rule("08_prefix_caching", "**You write** `MyPrefixCache`", f"{PC}:check_lookup_and_eviction", "minipaged_own",
+         "delegation"),
 ]
 # Wrong answers that test the checks' own machinery (time limit, a renamed class), not a stated rule.
 NOT_A_RULE = {"02_block_allocator/endless_loop", "07_assemble/renamed_class"}

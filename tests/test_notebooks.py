@@ -27,6 +27,7 @@ LESSONS = [
     "05_triton_kernel",
     "06_continuous_batching",
     "07_whole_engine",
+    "08_prefix_caching_and_sharing",
 ]
 # The workbook each lesson points to at its end (00 has none; 05's is the Triton kernel workbook).
 WORKBOOK = {
@@ -37,6 +38,7 @@ WORKBOOK = {
     "05_triton_kernel": "05_triton_decode_kernel",
     "06_continuous_batching": "06_scheduler",
     "07_whole_engine": "07_assemble",
+    "08_prefix_caching_and_sharing": "08_prefix_caching",
 }
 MAX_CELL_LINES = 30
 

@@ -106,6 +106,9 @@ _SOLUTION_ARGS = {
     "check_admission": ("06_scheduler", ["MyScheduler"]),
     "check_preemption": ("06_scheduler", ["MyScheduler"]),
     "check_rejection": ("06_scheduler", ["MyScheduler"]),
+    "check_hash_chain": ("08_prefix_caching", ["MyPrefixCache"]),
+    "check_lookup_and_eviction": ("08_prefix_caching", ["MyPrefixCache"]),
+    "check_copy_on_write": ("08_prefix_caching", ["copy_on_write"]),
 }
 
 

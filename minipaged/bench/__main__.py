@@ -1,18 +1,13 @@
-"""``python -m minipaged.bench [kernels] ...`` (also ``minipaged bench``)."""
+"""``python -m minipaged.bench [SUB] ...``: the same commands as ``minipaged bench``."""
 from __future__ import annotations
 
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "kernels":
-        from .kernels import main as kernels_main
+    from ..cli import main as cli_main
 
-        return kernels_main(argv[1:]) or 0
-    from .serving import main as serving_main
-
-    return serving_main(argv)
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

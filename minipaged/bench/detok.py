@@ -33,10 +33,12 @@ def measure(tokenizer, lengths=(10, 100, 1000), seed: int = 0) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minipaged bench detok", description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="a GGUF file or Hugging Face folder (default: SmolLM2)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int:
+    ap = ap or getattr(args, "_parser", None) or argparse.ArgumentParser()
     from ..model import load_model
 
     _, tok = load_model(args.model)
@@ -44,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in measure(tok):
         print(f"{r['tokens']:>7} {r['incremental_us_per_token']:>22.1f} {r['full_redecode_us_per_token']:>25.1f}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="minipaged bench detok", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv), ap)
 
 
 if __name__ == "__main__":

@@ -258,14 +258,16 @@ def run_case(
     return add_ratios(case)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minipaged.bench kernels", description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", type=Path, help="write the results here as JSON")
     ap.add_argument("--batch", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--context", type=int, nargs="+", default=list(CONTEXTS))
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     ap.add_argument("--no-flex", action="store_true", help="skip flex attention (its compiles take a while)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int:
+    ap = ap or getattr(args, "_parser", None) or argparse.ArgumentParser()
 
     if not torch.cuda.is_available():
         print(f"minipaged bench kernels: {NO_GPU}")
@@ -325,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"\nwrote {args.json}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minipaged.bench kernels", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv), ap)
 
 
 if __name__ == "__main__":

@@ -494,8 +494,7 @@ def to_json(result: dict) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minipaged bench", description=__doc__)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="a small workload that finishes in under two minutes")
     ap.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca"])
     ap.add_argument("--chat-prompts", action="store_true", help="use real chat prompts (the demo model's template) instead of random tokens")
@@ -514,7 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plots", type=Path, help="write PNG plots into this folder")
     ap.add_argument("--no-shared-prefix", action="store_true", help="skip the shared-system-prompt workload (prefix caching off vs on)")
     ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int:
+    ap = ap or getattr(a, "_parser", None) or argparse.ArgumentParser()
     rates = RATE_FACTORS
     if a.rates:
         try:
@@ -536,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         shared_prefix=False if a.no_shared_prefix else None,
     )
     res["bench_seconds"] = time.perf_counter() - t0
-    res["command"] = " ".join(["minipaged bench", *(argv if argv is not None else sys.argv[1:])])
+    res["command"] = " ".join(["minipaged bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else "minipaged bench"
     print()
     print(f"workload: {res['workload']['description']}")
     kb = res["kv_budget"]
@@ -572,3 +574,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in save_plots(res, a.plots):
             print(f"wrote {p}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="minipaged bench", description=__doc__)
+    add_arguments(ap)
+    return run(ap.parse_args(argv), ap)

@@ -7,6 +7,7 @@
     05 triton_decode     check_decode (and setup_triton)
     06 scheduler         check_admission, check_preemption, check_rejection
     07 assemble          load_parts, check_engine
+    08 prefix_cache      check_hash_chain, check_lookup_and_eviction, check_copy_on_write
 
 Every check drives your code and the reference side by side on the same seeded operations,
 compares the state after each one, and stops at the first difference with what was done,

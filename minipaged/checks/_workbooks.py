@@ -20,6 +20,7 @@ WORKBOOKS = [
     "05_triton_decode_kernel",
     "06_scheduler",
     "07_assemble",
+    "08_prefix_caching",
 ]
 CHECK_PREFIX = "# CHECK"
 _SEPARATORS = " _-.()[]"

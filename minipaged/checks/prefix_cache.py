@@ -1,0 +1,423 @@
+"""Checks for workbook 08: a learner's prefix cache and copy-on-write against minipaged's.
+
+Both caches sit in front of a fresh minipaged.BlockAllocator and are driven through the same
+seeded story, played as the scheduler plays it: prompts admitted (``match_prefix``, ``incref``
+of the hits, ``allocate`` for the rest, ``cache_blocks``), sequences that grow by a token and
+cache the blocks they fill, sequences that end (``free``), and misuse. After every operation
+the returned blocks, every ``ref_count(b)``, ``num_free_blocks``, ``num_cached_blocks`` and
+``num_evictions`` must agree; the first difference stops the check with the replayable story
+and a hint. Copy-on-write is checked on forked block tables the same way.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+from ..block_allocator import BlockAllocator
+from ..block_table import BlockTable
+from ..parts import fork_table
+from ..prefix_cache import ROOT_HASH, PrefixCache, copy_on_write as ref_copy_on_write
+from ._core import (
+    DEFAULT_TIMEOUT_S,
+    CheckFailed,
+    Log,
+    failure,
+    fmt_list,
+    is_stub,
+    learner_call,
+    not_implemented,
+    passed,
+    run_with_time_limit,
+    table,
+)
+
+NAME = "08 prefix cache"
+
+
+_MEMBERS = ("hash_block", "match_prefix", "cache_blocks", "allocate", "free", "incref", "ref_count",
+            "num_free_blocks", "num_cached_blocks")
+
+
+def _refuse_reference(cache_cls: Any = None, cow_fn: Any = None) -> None:
+    """A check of minipaged's own code in the learner's place would prove nothing."""
+    if cache_cls is not None:
+        own = [m for m in _MEMBERS if m in dir(cache_cls) and getattr(cache_cls, m, None) is getattr(PrefixCache, m)]
+        if own:
+            raise CheckFailed(f"{NAME}: {getattr(cache_cls, '__name__', cache_cls)}'s {', '.join(own)} is minipaged's own "
+                              "(minipaged.prefix_cache.PrefixCache). Write your own in the class cell above, run it, "
+                              "then run this check again.")
+    if cow_fn is not None and getattr(cow_fn, "__wrapped__", cow_fn) is ref_copy_on_write:
+        raise CheckFailed(f"{NAME}: this is minipaged's own copy_on_write (minipaged.prefix_cache). Write yours in the "
+                          "cell above, run it, then run this check again.")
+
+
+# -- the hash chain ---------------------------------------------------------------------------
+def check_hash_chain(cache_cls: type, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """``hash_block(parent, token_ids)``: the same inputs give the same hash, and a different
+    parent, different tokens or another order give another."""
+    _refuse_reference(cache_cls)
+    state = {"current": "creating your cache"}
+
+    def body():
+        c = learner_call(cache_cls, BlockAllocator(4, 4), what=f"{cache_cls.__name__}(BlockAllocator(4, 4))")
+
+        def h(parent, ids):
+            state["current"] = f"c.hash_block({_short(parent)}, {ids})"
+            return learner_call(c.hash_block, parent, list(ids), what=state["current"])
+
+        a = h(ROOT_HASH, [1, 2, 3, 4])
+        try:
+            hash(a)
+        except TypeError:
+            raise failure(f"{NAME}: c.hash_block(ROOT_HASH, [1, 2, 3, 4]) returned {type(a).__name__}, which cannot be a dict key.",
+                          hint="return bytes: hashlib.sha256(...).digest()") from None
+        if a is None:
+            raise failure(f"{NAME}: c.hash_block(...) returned None.", hint="return the hash (bytes) you computed.")
+        n = 0
+        cases = [
+            ("the same parent and tokens twice", (ROOT_HASH, [1, 2, 3, 4]), (ROOT_HASH, [1, 2, 3, 4]), True,
+             "a hash must not depend on anything but its inputs: use hashlib (Python's hash() of bytes changes with "
+             "every process, and an id() or a counter is not a hash of the content)."),
+            ("the same tokens after two different parents", (ROOT_HASH, [5, 6, 7, 8]), (a, [5, 6, 7, 8]), False,
+             "the block's K/V depends on every token before it, so its hash must include its parent's hash: "
+             "hashlib.sha256(parent + <the token ids as bytes>). Without it, a block found by its tokens alone "
+             "can hold the K/V of the same tokens at another place in another prompt."),
+            ("two different blocks after the same parent", (ROOT_HASH, [1, 2, 3, 4]), (ROOT_HASH, [1, 2, 3, 5]), False,
+             "every token id of the block goes into the hash."),
+            ("the same tokens in another order", (ROOT_HASH, [1, 2, 3, 4]), (ROOT_HASH, [4, 3, 2, 1]), False,
+             "encode the token ids in order (a sum or a set of them loses the order)."),
+            ("token ids whose digits run together", (ROOT_HASH, [1, 23]), (ROOT_HASH, [12, 3]), False,
+             "separate the token ids when you turn them into bytes: str([1, 23]) or struct.pack, not ''.join."),
+        ]
+        for what, x, y, same, hint in cases:
+            hx, hy = h(*x), h(*y)
+            n += 1
+            if (hx == hy) != same:
+                raise failure(
+                    f"{NAME}: hash_block gives {'different' if same else 'equal'} hashes for {what}.",
+                    done=f"c.hash_block({_short(x[0])}, {x[1]}) -> {_short(hx)}\nc.hash_block({_short(y[0])}, {y[1]}) -> {_short(hy)}",
+                    expected="equal hashes" if same else "different hashes", got="equal" if not same else "different",
+                    hint=hint)
+        passed(f"hash chain: {n} pairs of blocks, each hashed as the rules say (stable, chained to the parent, every token in order).")
+
+    run_with_time_limit(body, timeout, NAME, lambda: state["current"])
+
+
+def _short(h: Any) -> str:
+    if h == ROOT_HASH:
+        return "ROOT_HASH"
+    if isinstance(h, (bytes, bytearray)):
+        return f"<{bytes(h)[:4].hex()}...>"
+    return repr(h)[:20]
+
+
+# -- lookup, caching and eviction -----------------------------------------------------------------
+class _Run:
+    """One story played on both caches: ``ref`` (minipaged.PrefixCache) and ``mine``."""
+
+    def __init__(self, cls: type, num_blocks: int, block_size: int, label: str, stats: dict) -> None:
+        self.cls, self.label, self.stats = cls, label, stats
+        self.num_blocks, self.bs = num_blocks, block_size
+        self.log = Log([f"c = {cls.__name__}(BlockAllocator(num_blocks={num_blocks}, block_size={block_size}))"])
+        self.ref = PrefixCache(BlockAllocator(num_blocks, block_size))
+        self.mine = self.call(cls, BlockAllocator(num_blocks, block_size), what=f"{cls.__name__}(BlockAllocator({num_blocks}, {block_size}))")
+        self.seqs: list[tuple[list[int], list[int]]] = []  # (tokens, blocks): the block tables the story holds
+        self.compare("creating the cache", op="create")
+
+    def story(self) -> str:
+        return f"Run: {self.label}.\n" + self.log.render()
+
+    def call(self, fn, *args, what: str):
+        self.stats["current"] = f"{what}  ({self.label})"
+        return learner_call(fn, *args, what=what, context=self.story)
+
+    def fail(self, title: str, **kw) -> CheckFailed:
+        return failure(f"{NAME}: {title}", done=self.story(), **kw)
+
+    # -- state ------------------------------------------------------------------------------
+    def compare(self, after: str, op: str = "", hint: str = "") -> None:
+        exp_rc = [self.ref.ref_count(b) for b in range(self.num_blocks)]
+        got_rc = [self.call(self.mine.ref_count, b, what=f"c.ref_count({b})") for b in range(self.num_blocks)]
+        if got_rc != exp_rc:
+            bad = [b for b in range(self.num_blocks) if got_rc[b] != exp_rc[b]]
+            shown = list(range(self.num_blocks)) if self.num_blocks <= 16 else sorted(bad[:8])
+            pic = table([["block"] + [str(b) for b in shown],
+                         ["cached (reference)"] + ["yes" if self.ref.is_cached(b) else "" for b in shown],
+                         ["expected ref_count"] + [str(exp_rc[b]) for b in shown],
+                         ["your ref_count"] + [str(got_rc[b]) for b in shown],
+                         [""] + ["^" if b in bad else "" for b in shown]])
+            b = bad[0]
+            if not hint:
+                if self.ref.is_cached(b) and got_rc[b] == exp_rc[b] + 1:
+                    hint = ("ref_count(b) counts the block tables that hold b. The cache's own hold on a cached block "
+                            "(its reference in the inner pool) is not one of them: subtract it.")
+                elif op == "free":
+                    hint = "free() drops one reference; a cached block that reaches 0 stays cached (evictable), its count is 0."
+                else:
+                    hint = "allocate() gives a block with ref count 1, incref() adds one (and revives an evictable block), free() takes one away."
+            raise self.fail(f"ref counts differ after {after}.", expected=fmt_list(exp_rc), got=fmt_list(got_rc),
+                            picture=pic, hint=hint)
+        for name, exp, hint2 in [
+            ("num_free_blocks", self.ref.num_free_blocks,
+             "free blocks are the never-cached free blocks of the inner pool PLUS the cached blocks nobody holds "
+             "(evictable): both can be handed out by allocate()."),
+            ("num_cached_blocks", self.ref.num_cached_blocks,
+             "a block is cached from cache_blocks() until it is evicted. Only FULL blocks are cached: a partial block "
+             "is still being written, so its content (and hash) will change."),
+            ("num_evictions", self.ref.num_evictions,
+             "count one eviction each time allocate() hands out a cached block (and drops its hash)."),
+        ]:
+            got = self.call(lambda n=name: getattr(self.mine, n), what=f"c.{name}")
+            if got != exp:
+                raise self.fail(f"c.{name} differs after {after}.", expected=repr(exp), got=repr(got), hint=hint or hint2)
+
+    # -- operations, played as the scheduler plays them ---------------------------------------
+    def admit(self, tokens: list[int]) -> None:
+        exp = self.ref.match_prefix(tokens)
+        got = self.call(self.mine.match_prefix, list(tokens), what=f"c.match_prefix({tokens})")
+        self.log.add(f"hit = c.match_prefix({tokens})  # -> {exp} expected")
+        got_l = list(got) if isinstance(got, (list, tuple)) else got
+        if got_l != exp:
+            raise self.fail(f"c.match_prefix({tokens}) returned other blocks.", expected=fmt_list(exp), got=repr(got_l),
+                            hint=self._match_hint(tokens, exp, got_l))
+        need = -(-len(tokens) // self.bs) - len(exp)
+        revived = sum(1 for b in exp if self.ref.ref_count(b) == 0)
+        if need > self.ref.num_free_blocks - revived:
+            self.log.add("# not enough free blocks for the rest of the prompt: the scheduler waits")
+            return
+        blocks = list(exp)
+        for b in exp:
+            self.ref.incref(b)
+            self.call(self.mine.incref, b, what=f"c.incref({b})")
+            self.log.add(f"c.incref({b})  # share the cached block")
+            self.compare(f"c.incref({b}) of a hit", op="incref")
+        for _ in range(need):
+            self.allocate(blocks)
+        self.cache(tokens, blocks)
+        self.seqs.append((list(tokens), blocks))
+        self.stats["ops"] += 1
+
+    def _match_hint(self, tokens, exp, got) -> str:
+        if not isinstance(got, list):
+            return "return a list of block ids (the cached blocks of the prompt's prefix, in order)."
+        if len(got) == len(exp) + 1 and (len(exp) + 1) * self.bs >= len(tokens):
+            return ("your match covers the prompt's last token. It must always be recomputed: its logits give the "
+                    "first new token. Match the full blocks of token_ids[:-1] only.")
+        if len(got) > len(exp):
+            return ("you matched a block the reference does not have: the hash of block i must chain from block "
+                    "i-1's hash (the first block's parent is ROOT_HASH), so a block is found only after the same "
+                    "prefix. Stop at the first block that is not cached.")
+        return ("walk the prompt's full blocks in order, chaining the hashes, and stop at the first miss; "
+                "blocks cached by cache_blocks() must be found.")
+
+    def allocate(self, blocks: list[int]) -> None:
+        exp = self.ref.allocate()
+        got = self.call(self.mine.allocate, what="c.allocate()")
+        self.log.add(f"c.allocate()  # -> {exp} expected")
+        if got != exp:
+            rc = self.ref.ref_count(got) if isinstance(got, int) and 0 <= got < self.num_blocks else None
+            if rc:
+                hint = (f"block {got} is still held by {rc} block table(s): only a cached block at ref count 0 may be "
+                        "evicted. Keep the evictable blocks (cached, ref count 0) apart from the ones in use.")
+            elif isinstance(got, int) and 0 <= got < self.num_blocks and self.ref.is_cached(got) and not self.ref.is_cached(exp):
+                hint = ("a never-cached free block was available: hand those out first (the inner pool's allocate()), "
+                        "and evict a cached block only when the inner pool is empty.")
+            else:
+                hint = ("when the inner pool is empty, evict the cached block released LEAST recently (an OrderedDict: "
+                        "popitem(last=False)); a block revived by incref() leaves that order, and goes to its back when "
+                        "it is released again.")
+            raise self.fail("c.allocate() returned a different block.", expected=f"block {exp}", got=repr(got), hint=hint)
+        blocks.append(exp)
+        self.compare(f"c.allocate() -> {exp}", op="allocate")
+
+    def cache(self, tokens: list[int], blocks: list[int]) -> None:
+        self.ref.cache_blocks(tokens, blocks)
+        self.call(self.mine.cache_blocks, list(tokens), list(blocks), what=f"c.cache_blocks({tokens}, {blocks})")
+        self.log.add(f"c.cache_blocks({tokens}, {blocks})")
+        self.compare(f"c.cache_blocks({tokens}, {blocks})", op="cache")
+
+    def grow(self, rng: random.Random) -> None:
+        tokens, blocks = rng.choice(self.seqs)
+        if len(tokens) % self.bs == 0:
+            if self.ref.num_free_blocks == 0:
+                return
+            self.allocate(blocks)
+        tokens.append(rng.randint(0, 3))
+        self.log.add(f"# a decode step appends token {tokens[-1]}")
+        self.cache(tokens, blocks)
+        self.stats["ops"] += 1
+
+    def release(self, rng: random.Random | None = None, index: int = -1) -> None:
+        tokens, blocks = self.seqs.pop(rng.randrange(len(self.seqs)) if rng is not None else index)
+        for b in reversed(blocks):  # a block table frees its last block first
+            cached = self.ref.is_cached(b)
+            self.ref.free(b)
+            self.call(self.mine.free, b, what=f"c.free({b})")
+            self.log.add(f"c.free({b})" + ("  # cached: stays findable" if cached else ""))
+            self.compare(f"c.free({b})" + (" of a cached block" if cached else ""), op="free")
+        self.stats["ops"] += 1
+
+    def double_free(self, rng: random.Random) -> None:
+        idle = self.ref.evictable()
+        if not idle:
+            return
+        b = rng.choice(idle)
+        self.log.add(f"c.free({b})  # cached, but no table holds it: must raise BlockAllocatorError")
+        self.stats["current"] = f"c.free({b})  ({self.label})"
+        try:
+            self.mine.free(b)
+        except NotImplementedError:
+            raise not_implemented(f"{self.cls.__name__}.free") from None
+        except ValueError:
+            self.compare(f"c.free({b}) of an evictable block (which must change nothing)", op="misuse",
+                         hint="check the ref count (without the cache's own hold) before changing anything.")
+            return
+        except Exception as e:  # noqa: BLE001
+            raise self.fail(f"c.free({b}) raised {type(e).__name__}, not BlockAllocatorError.", hint="raise BlockAllocatorError.")
+        raise self.fail(f"c.free({b}) of a cached block that no block table holds did not raise.",
+                        expected="BlockAllocatorError: a double free", got="it returned normally",
+                        hint="its ref count (the tables that hold it) is 0: freeing it again is a double free, even "
+                             "though the cache still keeps it.")
+
+
+def _scenarios(cls, stats) -> None:
+    r = _Run(cls, 8, 4, "two prompts share their first block", stats)
+    r.admit([1, 2, 3, 4, 5, 6])
+    r.admit([1, 2, 3, 4, 9, 9, 9])
+    r = _Run(cls, 8, 4, "a prompt whose first block is another prompt's second", stats)
+    r.admit([7, 7, 7, 7, 1, 2, 3, 4, 0])
+    r.admit([1, 2, 3, 4, 5])
+    r = _Run(cls, 8, 4, "a prompt of whole blocks, all cached: its last token is recomputed", stats)
+    r.admit([1, 2, 3, 4, 5, 6, 7, 8])
+    r.admit([1, 2, 3, 4, 5, 6, 7, 8])
+    r = _Run(cls, 6, 2, "a partial block is not cached", stats)
+    r.admit([1, 2, 3])
+    r.grow(random.Random(0))
+    r = _Run(cls, 4, 2, "a block still held is never evicted", stats)
+    r.admit([1, 2, 3])
+    r.admit([5, 6, 7])
+    r.release(index=1)
+    r.admit([8, 9, 1])
+    r = _Run(cls, 4, 2, "ended requests stay cached; the least recently released is evicted first", stats)
+    r.admit([1, 2, 3, 4])
+    r.release(random.Random(0))
+    r.admit([5, 6, 7, 8, 1])
+    r.admit([1, 2, 3, 4, 9])
+    r.double_free(random.Random(0))
+
+
+def check_lookup_and_eviction(cache_cls: type, seed: int = 0, runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """match_prefix, cache_blocks, and the block pool with LRU eviction, against minipaged.PrefixCache."""
+    _refuse_reference(cache_cls)
+    stats = {"ops": 0, "runs": 0, "current": "creating the cache"}
+
+    def body():
+        _scenarios(cache_cls, stats)
+        rng = random.Random(seed)
+        for i in range(runs):
+            bs = rng.choice([1, 2, 3, 4])
+            run = _Run(cache_cls, rng.randint(2, 6 + i // 2), bs, f"random run {i + 1} of {runs} (seed {seed})", stats)
+            prefixes = [[rng.randint(0, 3) for _ in range(rng.randint(1, 3 * bs))] for _ in range(2)]
+            for _ in range(6 + i):
+                x = rng.random()
+                if not run.seqs or x < 0.4:
+                    run.admit(rng.choice(prefixes) + [rng.randint(0, 3) for _ in range(rng.randint(1, 2 * bs))])
+                elif x < 0.65:
+                    run.grow(rng)
+                elif x < 0.95:
+                    run.release(rng)
+                else:
+                    run.double_free(rng)
+            stats["runs"] += 1
+
+    run_with_time_limit(body, timeout, NAME, lambda: stats["current"])
+    passed(f"lookup, caching and eviction: {stats['runs']} random runs and 6 stories, {stats['ops']} requests admitted, "
+           "grown or ended; after every call your cache's blocks, ref counts, free, cached and eviction counts matched the reference.")
+
+
+# -- copy-on-write ---------------------------------------------------------------------------------
+def check_copy_on_write(cow_fn: Callable, seed: int = 0, runs: int = 40, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """``copy_on_write(table, start, end)`` on forked tables: every shared block the write
+    touches is replaced by a fresh one, the (src, dst) pairs are returned, nothing else changes."""
+    if is_stub(cow_fn):
+        raise not_implemented(getattr(cow_fn, "__name__", "copy_on_write"))
+    _refuse_reference(cow_fn=cow_fn)
+    state = {"current": "", "n": 0}
+
+    def one(label, num_blocks, bs, n_tokens, forks, writes):
+        log = Log([f"pool = BlockAllocator({num_blocks}, {bs})", "parent = BlockTable(pool)",
+                   f"parent.append_tokens({n_tokens})"])
+        sides = []
+        for _ in range(2):
+            pool = BlockAllocator(num_blocks, bs)
+            parent = BlockTable(pool)
+            parent.append_tokens(n_tokens)
+            tables = [parent] + [fork_table(parent) for _ in range(forks)]
+            sides.append((pool, tables))
+        log.add(f"children = [fork_table(parent) for _ in range({forks})]  # from minipaged.parts import fork_table")
+        (rp, rt), (mp, mt) = sides
+        for (ti, start, end) in writes:
+            what = f"copy_on_write({'parent' if ti == 0 else f'children[{ti - 1}]'}, {start}, {end})"
+            state["current"] = f"{what}  ({label})"
+            exp = ref_copy_on_write(rt[ti], start, end)
+            got = learner_call(cow_fn, mt[ti], start, end, what=what, context=lambda: log.render())
+            log.add(f"{what}  # -> {exp} expected")
+            got_l = [tuple(p) for p in got] if isinstance(got, (list, tuple)) else got
+            ctx = f"Run: {label}.\n" + log.render()
+            exp_rc = [rp.ref_count(b) for b in range(num_blocks)]
+            got_rc = [mp.ref_count(b) for b in range(num_blocks)]
+            if [t.blocks for t in mt] != [t.blocks for t in rt] or got_rc != exp_rc:
+                bad = next(i for i in range(len(rt)) if mt[i].blocks != rt[i].blocks) if [t.blocks for t in mt] != [t.blocks for t in rt] else None
+                if exp and got_l == []:
+                    hint = ("the write touches a block that another table shares (ref count > 1): writing into it "
+                            "would change the other sequence too. Take a fresh block, put it in the table in place of "
+                            "the shared one, and free() the shared one (its other holders keep it).")
+                elif isinstance(got_l, list) and len(got_l) > len(exp):
+                    hint = ("you copied a block that needs no copy: only blocks with ref count > 1 are replaced; "
+                            "a block this table holds alone is written in place.")
+                elif got_rc != exp_rc:
+                    hint = "after the copy the shared block loses THIS table's reference only: call pool.free(src) once."
+                else:
+                    hint = ("only the blocks that positions start..end-1 fall in, and only those with ref count > 1, "
+                            "are replaced; a block this table holds alone is written in place.")
+                raise failure(f"{NAME}: the tables or ref counts differ after {what}.", done=ctx,
+                              expected=f"tables {[t.blocks for t in rt]}, ref counts {exp_rc}",
+                              got=f"tables {[t.blocks for t in mt]}, ref counts {got_rc}"
+                                  + (f" (table {bad} first)" if bad is not None else ""), hint=hint)
+            if got_l != exp:
+                raise failure(f"{NAME}: {what} returned other (src, dst) pairs.", done=ctx, expected=repr(exp), got=repr(got_l),
+                              hint="return one (shared block, its fresh copy) pair per replaced block, in table order: "
+                                   "the engine copies their K/V before the step writes.")
+            state["n"] += 1
+
+    def body():
+        one("a child writes into the shared partial block", 6, 4, 6, 1, [(1, 6, 7), (0, 6, 7)])
+        one("a write into blocks held alone copies nothing", 6, 4, 6, 0, [(0, 6, 8)])
+        one("a write that spans a shared block and new ones", 8, 2, 3, 2, [(2, 3, 4), (1, 2, 6)])
+        rng = random.Random(seed)
+        for i in range(runs):
+            bs = rng.choice([1, 2, 4])
+            n = rng.randint(1, 4 * bs)
+            forks = rng.randint(0, 3)
+            num_blocks = -(-n // bs) + 2 * (forks + 1) + 2
+            writes = []
+            for _ in range(rng.randint(1, 4)):
+                ti = rng.randint(0, forks)
+                start = rng.randint(max(0, n - 2 * bs), n)
+                writes.append((ti, start, min(n, start + rng.randint(1, 2 * bs)) if start < n else start))
+            writes = [(t, s, e) for t, s, e in writes if e > s] or [(0, n - 1, n)]
+            one(f"random run {i + 1} of {runs} (seed {seed})", num_blocks, bs, n, forks, writes)
+
+    run_with_time_limit(body, timeout, NAME, lambda: state["current"])
+    passed(f"copy-on-write: {state['n']} writes into forked tables; after each one your tables, ref counts and "
+           "(src, dst) pairs matched the reference.")
+
+
+def check(cache_cls: type, cow_fn: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Everything workbook 08 asks."""
+    check_hash_chain(cache_cls, timeout=timeout)
+    check_lookup_and_eviction(cache_cls, timeout=timeout)
+    check_copy_on_write(cow_fn, timeout=timeout)
+
+
+__all__ = ["check", "check_hash_chain", "check_lookup_and_eviction", "check_copy_on_write"]

@@ -1,0 +1,11 @@
+"""allocate() evicts the most recently released cached block instead of the least recently released."""
+CHECK = "minipaged.checks.prefix_cache:check_lookup_and_eviction"
+EXPECT = ["returned a different block", "LEAST recently"]
+
+from _base import GoodPrefixCache
+
+
+class MyPrefixCache(GoodPrefixCache):
+    def evict(self):
+        b, _ = self.evictable.popitem()
+        return b
