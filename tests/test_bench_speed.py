@@ -134,3 +134,13 @@ def test_both_systems_run_the_same_requests_to_the_same_length(tiny_model):
     assert mp["output_tokens"] == 10 and [len(t) for t in mp["token_ids"]] == [5, 5]
     hf = speed.run_transformers(tiny_hf_model(), reqs, batch_size=2)
     assert hf["output_tokens"] == 10 and hf["batch_size"] == 2 and hf["output_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("argv, msg", [(["bench", "speed", "--batch-size", "0"], "--batch-size must be >= 1"),
+                                       (["bench", "profile", "--batches", ""], "at least one size")])
+def test_the_cli_reaches_both_benches(argv, msg, capsys):
+    from minipaged.cli import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert msg in capsys.readouterr().err

@@ -178,14 +178,16 @@ def format_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minipaged bench profile", description=__doc__.split("\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes (requests served together)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--attention", default="torch", choices=["torch", "reference", "auto"])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 gives steadier shares on a busy machine")
-    a = ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int:
+    ap = ap or getattr(a, "_parser", None) or argparse.ArgumentParser(prog="minipaged bench profile")
     if a.threads is not None:
         if a.threads < 1:
             ap.error(f"--threads must be >= 1, got {a.threads}")
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if not batches or min(batches) < 1 or a.max_tokens < 1:
         ap.error("--batches needs at least one size >= 1 and --max-tokens must be >= 1")
     res = run_profile(batches, a.max_tokens, a.attention)
-    res["command"] = " ".join(["minipaged bench profile", *(argv if argv is not None else sys.argv[1:])])
+    res["arguments"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if not k.startswith("_") and not callable(v)}
     print(f"{res['max_tokens']} new tokens per request, chat prompts, greedy, fp32, {res['threads']} threads, wall clock per category")
     print(format_markdown(res))
     if a.json:
@@ -205,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         a.json.write_text(json.dumps(res, indent=1))
         print(f"wrote {a.json}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="minipaged bench profile", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv), ap)
 
 
 if __name__ == "__main__":

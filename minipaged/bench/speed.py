@@ -309,8 +309,7 @@ def format_summary(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minipaged bench speed", description=__doc__.split("\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=64, help="minipaged's max_num_seqs and transformers' batch")
@@ -320,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="torch", choices=["torch", "reference", "auto"])
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 gives steadier shares on a busy machine")
-    a = ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int:
+    ap = ap or getattr(a, "_parser", None) or argparse.ArgumentParser(prog="minipaged bench speed")
     if a.threads is not None:
         if a.threads < 1:
             ap.error(f"--threads must be >= 1, got {a.threads}")
@@ -334,13 +336,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown system(s) {sorted(unknown)}: choose from minipaged, transformers, batch1")
     res = run_speed(a.num_requests, a.max_tokens, a.batch_size, a.max_num_batched_tokens, a.batch1_requests, systems, a.attention)
-    res["command"] = " ".join(["minipaged bench speed", *(argv if argv is not None else sys.argv[1:])])
+    res["arguments"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if not k.startswith("_") and not callable(v)}
     print(format_summary(res))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(res, indent=1))
         print(f"wrote {a.json}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="minipaged bench speed", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv), ap)
 
 
 if __name__ == "__main__":
