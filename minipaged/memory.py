@@ -328,3 +328,106 @@ def format_bytes(n: float) -> str:
             v = n / size
             return f"{v:.2f} {unit}" if unit == "GiB" else f"{v:.4g} {unit}"
     return f"{int(n)} B"
+
+
+# -- the seed's scenario, recomputed -----------------------------------------------------
+GB = 10**9  # the seed page speaks in decimal gigabytes (40 GB, 14 GB); GiB = 2**30 is used elsewhere
+
+
+@dataclass(frozen=True)
+class SeedClaim:
+    """One figure of the explainer page the course started from, next to what this module computes.
+
+    ``verdict`` is "reproduced" (within 5%), "off" (same quantity, another value: ``off_by`` is
+    claimed / recomputed), "inconsistent" (it contradicts another of the page's own figures), or
+    "no method" (a measurement given without a method: only its arithmetic can be checked).
+    """
+
+    number: int
+    claim: str
+    claimed: float
+    recomputed: float
+    verdict: str
+    note: str
+
+    @property
+    def off_by(self) -> float:
+        return self.claimed / self.recomputed if self.recomputed else math.inf
+
+
+def _verdict(claimed: float, recomputed: float, tol: float = 0.05) -> str:
+    return "reproduced" if abs(claimed - recomputed) <= tol * abs(recomputed) else "off"
+
+
+def seed_scenario(device_gb: float = 40, overhead_gb: float = 2, max_len: int = 2048) -> dict:
+    """The seed page's scenario (a 40 GB GPU, a 7B fp16 model, 2,048-token sequences), every figure recomputed.
+
+    Returns the recomputed figures (``figures``) and one SeedClaim per claim of the page
+    (``claims``, numbered as in the course's list of seed claims). Only arithmetic: the model
+    shape is Llama-2-7B's (32 layers, 32 KV heads, head_dim 128); "7B" weights are 7e9 x 2 bytes.
+    """
+    llama = get_model("Llama-2-7B")
+    nominal = custom_model(7e9, llama.num_layers, llama.num_kv_heads, llama.head_dim, name="7B (nominal)")
+    weights = weights_bytes(nominal, "float16")
+    device, overhead = int(device_gb * GB), int(overhead_gb * GB)
+    kv_budget = device - weights - overhead
+    per_token = token_kv_bytes(llama, "float16")
+    per_seq = sequence_kv_bytes(llama, max_len, "float16")
+    contiguous = contiguous_seqs_that_fit(kv_budget, llama, max_len)
+    # the page's 60% contiguous waste means sequences hold 40% of max_len on average
+    mean_len_60 = round(0.4 * max_len)
+    paged_at_60 = paged_seqs_that_fit(kv_budget, llama, mean_len_60, 16)
+    # the page's 24 paged sequences in 24 GB means each holds this many tokens
+    len_for_24 = min(max_len, (kv_budget // 24) // per_token)
+    tput = {"naive": 840.0, "static": 1820.0, "continuous": 2576.0, "continuous_elsewhere": 2800.0}
+    fig = {
+        "device_bytes": device, "weights_bytes": weights, "weights_bytes_llama2": weights_bytes(llama, "float16"),
+        "overhead_bytes": overhead, "kv_budget_bytes": kv_budget, "kv_bytes_per_token": per_token,
+        "kv_bytes_per_sequence": per_seq, "contiguous_seqs": contiguous,
+        "reservation_bytes_for_9": kv_budget / 9, "tokens_per_reservation_for_9": kv_budget / 9 / per_token,
+        "mean_len_for_60pct_waste": mean_len_60, "paged_seqs_at_60pct_lengths": paged_at_60,
+        "paged_waste_at_60pct_lengths": paged_waste(mean_len_60, 16),
+        "tokens_per_seq_for_24_paged": len_for_24, "contiguous_waste_for_24_paged": contiguous_waste(len_for_24, max_len),
+        "paged_waste_for_24_paged": paged_waste(len_for_24, 16),
+        "continuous_over_static": tput["continuous"] / tput["static"],
+        "continuous_over_naive": tput["continuous"] / tput["naive"],
+        "static_over_naive": tput["static"] / tput["naive"],
+        "elsewhere_over_naive": tput["continuous_elsewhere"] / tput["naive"],
+        "paged_over_contiguous_claimed": 24 / 9,
+    }
+    gb = lambda b: b / GB  # noqa: E731
+    claims = [
+        SeedClaim(1, "model weights take 14 GB", 14, gb(weights), _verdict(14, gb(weights)),
+                  f"7e9 x 2 bytes = {gb(weights):.1f} GB; Llama-2-7B's {llama.num_params / 1e9:.2f}B parameters "
+                  f"take {gb(fig['weights_bytes_llama2']):.2f} GB"),
+        SeedClaim(2, "24 GB for the KV cache (2 GB overhead)", 24, gb(kv_budget), _verdict(24, gb(kv_budget)),
+                  f"40 - 14 - 2 = {gb(kv_budget):.0f} GB; the same page's '~26 GB for KV' forgets the overhead "
+                  "(inconsistent by 2 GB)"),
+        SeedClaim(3, "contiguous serving: 9 sequences", 9, contiguous, "inconsistent",
+                  f"{per_token // KiB} KiB per token x {max_len} = {per_seq / GiB:.0f} GiB per reservation: "
+                  f"24 GB holds {contiguous}, not 9 (9 would need {fig['tokens_per_reservation_for_9']:,.0f}-token "
+                  "reservations)"),
+        SeedClaim(4, "paged: 24 sequences, 4% wasted", 24, paged_at_60, "inconsistent",
+                  f"with claim 3's 60% waste (sequences of ~{mean_len_60} tokens) paging fits {paged_at_60}, "
+                  f"wasting {paged_waste(mean_len_60, 16):.1%}; 24 sequences fill 24 GB only at "
+                  f"{len_for_24:,} tokens each, where contiguous would waste {fig['contiguous_waste_for_24_paged']:.0%}, "
+                  "not 60%"),
+        SeedClaim(5, "paging fits '3-4x' more", 3.5, 24 / 9, _verdict(3.5, 24 / 9),
+                  f"the page's own 24 / 9 = {24 / 9:.2f}x; recomputed with claim 3's lengths: "
+                  f"{paged_at_60} / {contiguous} = {paged_at_60 / contiguous:.1f}x"),
+        SeedClaim(6, "page table: 4 sequences share 20 pages of 16 tokens", 20 * 16, 20 * 16, "reproduced",
+                  "20 x 16 = 320 token slots; lesson 03 serves SmolLM2 on exactly this pool, 4 sequences at a time, "
+                  "and a finished sequence's pages return to the pool in the same step"),
+        SeedClaim(7, "continuous 2,576 vs static 1,820 tok/s", 2576 / 1820, fig["continuous_over_static"], "no method",
+                  f"2,576 / 1,820 = {fig['continuous_over_static']:.2f}x; 2,576 / 840 = {fig['continuous_over_naive']:.2f}x "
+                  "(arithmetic only: no method is given)"),
+        SeedClaim(8, "vLLM 2,800 tok/s, '3.3x' over 840 naive", 2800, 2576, "inconsistent",
+                  f"2,800 / 840 = {fig['elsewhere_over_naive']:.2f}x, but claim 7 gives vLLM 2,576 tok/s "
+                  f"({2800 / 2576 - 1:.1%} apart)"),
+        SeedClaim(9, "continuous batching gives '2-5x' over static", 2.0, fig["continuous_over_static"], "inconsistent",
+                  f"the page's own figures give {fig['continuous_over_static']:.2f}x (claim 7), below the low end of 2-5x"),
+        SeedClaim(10, "contiguous serving wastes 60% of memory", 0.60, 1 - 0.382, _verdict(0.60, 1 - 0.382),
+                  "the vLLM paper measured 20.4-38.2% of KV memory holding tokens in earlier systems: "
+                  "61.8-79.6% wasted, so 60% is just below that range"),
+    ]
+    return {"figures": fig, "claims": claims}

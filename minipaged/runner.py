@@ -32,11 +32,10 @@ def pad_block_tables(tables: list[list[int]], pad: int = 0, width: int | None = 
     width = max(longest, 1) if width is None else width
     if width < longest:
         raise ValueError(f"width {width} is smaller than the {longest} blocks of the longest table")
-    out = torch.full((len(tables), width), pad, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        if t:
-            out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return out
+    if not tables:
+        return torch.full((0, width), pad, dtype=torch.int32)
+    # one tensor built from padded Python rows: no per-row tensor, no per-row copy
+    return torch.tensor([list(t) + [pad] * (width - len(t)) for t in tables], dtype=torch.int32)
 
 
 class ModelRunner:

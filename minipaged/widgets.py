@@ -57,6 +57,7 @@ class App(ABC):
         self.widget = None
         self.out = None
         self.controls: dict[str, Any] = {}
+        self.readout = None
         self._holding = False
 
     # -- subclasses fill these in ----------------------------------------------------------
@@ -72,6 +73,10 @@ class App(ABC):
     def draw(self) -> Figure:
         """The picture for self.result."""
 
+    def summary(self) -> str:
+        """The result as one line of plain text: what the readout under the controls says."""
+        return ""
+
     # -- the machinery ---------------------------------------------------------------------
     def _build(self) -> "App":
         if not self.static:
@@ -83,7 +88,12 @@ class App(ABC):
                 if hasattr(c, "value") and name in self.values:
                     c.observe(self._on_change, names="value")
             self.out = w.Output()
-            self.widget = w.VBox(rows + [self.out])
+            # The numbers as text too: readable without the picture, and what a browser test reads.
+            self.readout = w.HTML(value="")
+            self.readout.add_class("minipaged-readout")
+            self.widget = w.VBox(rows + [self.readout, self.out])
+            self.widget.add_class("minipaged-app")
+            self.widget.add_class(f"minipaged-{type(self).__name__.lower()}")
         else:
             for name in self._control_names():
                 setattr(self, name, None)
@@ -129,6 +139,10 @@ class App(ABC):
             self.out.clear_output(wait=True)
             with self.out:
                 display(self.figure)
+        if self.readout is not None:  # after the picture, so text and picture never disagree for long
+            import html
+
+            self.readout.value = f"<span class='minipaged-summary'>{html.escape(self.summary())}</span>"
         return self.result
 
     def _sync_controls(self) -> None:
@@ -151,7 +165,8 @@ _SLIDER_STYLE = {"description_width": "150px"}
 
 
 def _layout(w, width: str = "460px"):
-    return w.Layout(width=width)
+    # max_width: on a narrow screen a control shrinks to its column instead of overflowing it
+    return w.Layout(width=width, max_width="100%")
 
 
 # -- memory calculator -------------------------------------------------------------------
@@ -193,7 +208,10 @@ class MemoryCalculator(App):
             slider(w.IntSlider, "custom_kv_heads", "custom: KV heads", 1, 128, 1),
             slider(w.IntSlider, "custom_head_dim", "custom: head dim", 16, 256, 16),
         ]
-        return [w.HBox([w.VBox(left), w.VBox(right)])]
+        # Two columns side by side when there is room, one under the other below ~950 px.
+        col = dict(width="460px", max_width="100%")
+        return [w.HBox([w.VBox(left, layout=w.Layout(**col)), w.VBox(right, layout=w.Layout(**col))],
+                       layout=w.Layout(flex_flow="row wrap", width="100%"))]
 
     def _sync_controls(self) -> None:
         custom = self.values["model"] == "custom"
@@ -211,16 +229,52 @@ class MemoryCalculator(App):
     def compute(self) -> dict[str, Any]:
         v = self.values
         cfg = self.model_config()
-        seq_len = min(int(v["seq_len"]), int(v["max_len"]))
+        asked, max_len = int(v["seq_len"]), int(v["max_len"])
+        # A sequence never outgrows its contiguous reservation: longer ones are cut to max_len,
+        # and the result says so (``clamped``) rather than quietly showing another length.
+        seq_len = min(asked, max_len)
         b = mem.memory_breakdown(int(v["device_gib"]) * mem.GiB, cfg, v["weights_dtype"], float(v["overhead_fraction"]))
-        c = mem.concurrency(b.kv_budget_bytes, cfg, seq_len, int(v["max_len"]), int(v["block_size"]), v["kv_dtype"])
+        c = mem.concurrency(b.kv_budget_bytes, cfg, seq_len, max_len, int(v["block_size"]), v["kv_dtype"])
         self._breakdown, self._concurrency = b, c
+        fits = b.fits
+        # A model that does not fit has no waste and no gain to speak of: None, never 0% and 1.0x.
         return {
-            "model": cfg.name, "fits": b.fits, "weights_bytes": b.weights_bytes, "kv_budget_bytes": b.kv_budget_bytes,
-            "kv_bytes_per_token": c.bytes_per_token, "num_blocks": c.num_blocks, "seq_len": seq_len,
-            "contiguous_seqs": c.contiguous_seqs, "paged_seqs": c.paged_seqs, "gain": c.gain,
-            "contiguous_waste": c.contiguous_waste, "paged_waste": c.paged_waste,
+            "model": cfg.name, "fits": fits, "weights_bytes": b.weights_bytes, "kv_budget_bytes": b.kv_budget_bytes,
+            "kv_bytes_per_token": c.bytes_per_token, "num_blocks": c.num_blocks,
+            "seq_len": seq_len, "seq_len_asked": asked, "clamped": asked > max_len,
+            "contiguous_seqs": c.contiguous_seqs, "paged_seqs": c.paged_seqs,
+            "gain": c.gain if fits and c.paged_seqs else None,
+            "contiguous_waste": c.contiguous_waste if fits else None,
+            "paged_waste": c.paged_waste if fits else None,
         }
+
+    def notes(self) -> list[str]:
+        """What the numbers do not say by themselves: a clamped length, a model that does not fit."""
+        r, b = self.result, self._breakdown
+        out = []
+        if not r["fits"]:
+            out.append(f"{r['model']} does not fit this device: its weights ({mem.format_bytes(b.weights_bytes)}) and "
+                       f"overhead ({mem.format_bytes(b.overhead_bytes)}) need more than {mem.format_bytes(b.device_bytes)}; "
+                       "no sequence fits. Pick a larger device, a smaller model or a smaller weights dtype.")
+        elif r["paged_seqs"] == 0:
+            out.append(f"the KV budget ({mem.format_bytes(b.kv_budget_bytes)}) holds no sequence of {r['seq_len']} tokens, "
+                       "paged or contiguous")
+        if r["clamped"]:
+            out.append(f"actual length {r['seq_len_asked']:,} > max_len {self.values['max_len']:,}: clamped to "
+                       f"{r['seq_len']:,} (a contiguous reservation cannot hold more); raise max_len to see longer sequences")
+        return out
+
+    def summary(self) -> str:
+        r = self.result
+        notes = self.notes()
+        if not r["fits"] or not r["paged_seqs"]:
+            return " | ".join(notes)
+        gain = f"{r['gain']:.1f}x" if math.isfinite(r["gain"]) else "only paging fits any"
+        head = (f"{r['model']}: KV budget {mem.format_bytes(r['kv_budget_bytes'])}, "
+                f"{mem.format_bytes(r['kv_bytes_per_token'])} per token; sequences of {r['seq_len']:,} tokens: "
+                f"contiguous fits {r['contiguous_seqs']:,}, paged fits {r['paged_seqs']:,} ({gain}); "
+                f"waste {viz.format_waste(r['contiguous_waste'])} vs {viz.format_waste(r['paged_waste'])}")
+        return " | ".join([head] + notes)
 
     def draw(self) -> Figure:
         b, c, r = self._breakdown, self._concurrency, self.result
@@ -229,15 +283,21 @@ class MemoryCalculator(App):
         viz.plot_memory_bar({"contiguous": b.with_kv(c.contiguous_reserved_bytes, c.contiguous_used_bytes),
                              "paged": b.with_kv(c.paged_reserved_bytes, c.paged_used_bytes)}, ax=ax_m,
                             title="Memory with as many sequences as fit (hatched: reserved, no token)")
-        viz.plot_concurrency(c, ax=ax_c, title=f"Sequences of {r['seq_len']} tokens that fit")
-        if not b.fits:
-            head = f"{r['model']} does not fit this device: its weights alone need {mem.format_bytes(b.weights_bytes)}"
-        else:
-            gain = f"{c.gain:.1f}x" if math.isfinite(c.gain) else "only paging fits any"
+        notes = self.notes()
+        if r["fits"] and r["paged_seqs"]:
+            viz.plot_concurrency(c, ax=ax_c, title=f"Sequences of {r['seq_len']} tokens that fit")
+            gain = f"{r['gain']:.1f}x" if math.isfinite(r["gain"]) else "only paging fits any"
             head = (f"{r['model']}: {mem.format_bytes(c.bytes_per_token)} of KV per token, "
                     f"{mem.format_bytes(b.kv_budget_bytes)} left for KV → contiguous fits {c.contiguous_seqs:,}, "
                     f"paged fits {c.paged_seqs:,} ({gain})")
-        fig.suptitle(head, fontsize=12)
+        else:
+            ax_c.axis("off")
+            ax_c.text(0.5, 0.5, "no sequence fits", ha="center", va="center", fontsize=14, color="#c44e52",
+                      transform=ax_c.transAxes)
+            head = notes.pop(0)
+        if notes:
+            head += "\n" + "\n".join(notes)
+        fig.suptitle(head, fontsize=12 if len(head) < 140 else 10)
         return fig
 
 
@@ -295,6 +355,12 @@ class PageTableExplorer(App):
                 "running": list(r.running), "waiting": list(r.waiting),
                 "reserved_slots": r.reserved_slots, "used_slots": r.used_slots}
 
+    def summary(self) -> str:
+        r = self.result
+        return (f"step {r['step']}: {r['blocks_used']} blocks used, {r['blocks_free']} free; "
+                f"{len(r['running'])} running, {len(r['waiting'])} waiting; "
+                f"{r['used_slots']} of {r['reserved_slots']} reserved slots hold a token")
+
     def draw(self) -> Figure:
         return viz.plot_page_table(self.trace, step=self.result["step"])
 
@@ -313,55 +379,86 @@ def page_table_explorer(trace: Trace, step: int | None = None, static: bool | No
 
 # -- batching timeline -------------------------------------------------------------------
 class BatchingTimeline(App):
-    """The static vs continuous Gantt with a time cursor; the numbers say who is busy at that time."""
+    """The static vs continuous Gantt with a time cursor; the numbers say who is busy at that time.
+
+    The cursor moves in ``ticks`` equal steps from the moment the first slot starts computing
+    (``t_lo``, a few microseconds after 0 in a real run) to the end of the longer run; the
+    slider shows each tick's time, in the traces' unit (seconds, or steps for a simulation).
+    """
 
     def __init__(self, traces: dict[str, Trace], values: dict, static: bool | None = None) -> None:
         super().__init__(values, static)
         self.traces = traces
         self.timelines = {k: t.timeline() for k, t in traces.items()}
-        self.t_max = max((iv["end_time"] for tl in self.timelines.values() for iv in tl), default=1.0)
-        whole = all(float(iv["end_time"]).is_integer() for tl in self.timelines.values() for iv in tl)
-        # The slider is an int (so Play can drive it): one tick per time unit when times are whole
-        # steps, else 200 ticks over the run.
-        self.ticks = int(self.t_max) if whole and self.t_max <= 5000 else 200
+        ivs = [iv for tl in self.timelines.values() for iv in tl]
+        self.unit = next((t.meta.get("time_unit", "s") for t in traces.values()), "s")
+        self.t_max = max((iv["end_time"] for iv in ivs), default=1.0)
+        whole = all(float(iv["end_time"]).is_integer() and float(iv["start_time"]).is_integer() for iv in ivs)
+        # Whole steps start at step 0; a timed run starts where its first slot starts computing,
+        # so the first tick never reads "0 computing" while the picture shows the first batch.
+        self.t_lo = 0.0 if whole else min((iv["start_time"] for iv in ivs), default=0.0)
+        # The slider is an int underneath (so Play can drive it): one tick per step when times are
+        # whole steps, else 200 ticks over the run.
+        span = self.t_max - self.t_lo
+        self.ticks = max(1, int(span)) if whole and span <= 5000 else 200
         self.values.setdefault("tick", self.ticks)
 
     def time_at(self, tick: int) -> float:
-        return self.t_max * tick / self.ticks if self.ticks else 0.0
+        """The time (in the traces' unit) the cursor stands at on ``tick``."""
+        return self.t_lo + (self.t_max - self.t_lo) * int(tick) / self.ticks
 
     def tick_of(self, t: float) -> int:
-        return max(0, min(self.ticks, int(round(t / self.t_max * self.ticks)))) if self.t_max else 0
+        """The tick nearest to time ``t`` (clamped to the run)."""
+        span = self.t_max - self.t_lo
+        return max(0, min(self.ticks, int(round((float(t) - self.t_lo) / span * self.ticks)))) if span > 0 else 0
+
+    def label_of(self, tick: int) -> str:
+        t = self.time_at(tick)
+        return f"{t:.4g} {self.unit}"
 
     def _controls(self, w) -> list:
-        self.controls["tick"] = w.IntSlider(value=self.values["tick"], min=0, max=self.ticks, step=1,
-                                            description="time cursor", continuous_update=False,
-                                            style=_SLIDER_STYLE, layout=_layout(w, "700px"))
+        # A SelectionSlider reads out the time ("1.23 s"), not the tick index; Play drives its index.
+        options = [(self.label_of(k), k) for k in range(self.ticks + 1)]
+        self.controls["tick"] = w.SelectionSlider(options=options, value=self.values["tick"], description="time cursor",
+                                                  continuous_update=False, style=_SLIDER_STYLE,
+                                                  layout=_layout(w, "700px"))
         self.controls["play"] = w.Play(value=self.values["tick"], min=0, max=self.ticks,
                                        step=max(1, self.ticks // 50), interval=900, description="play")
-        self.link = w.jslink((self.controls["play"], "value"), (self.controls["tick"], "value"))
-        return [w.HBox([self.controls["play"], self.controls["tick"]])]
+        self.link = w.jslink((self.controls["play"], "value"), (self.controls["tick"], "index"))
+        return [w.HBox([self.controls["play"], self.controls["tick"]], layout=w.Layout(flex_flow="row wrap"))]
 
     def _control_names(self) -> list[str]:
         return ["tick", "play"]
 
     def compute(self) -> dict[str, Any]:
-        t = self.time_at(int(self.values["tick"]))
-        res: dict[str, Any] = {"time": t}
+        tick = int(self.values["tick"])
+        if not 0 <= tick <= self.ticks:
+            raise IndexError(f"tick {tick} is outside 0..{self.ticks}: use tick_of(seconds) to find one")
+        t = self.time_at(tick)
+        # Half a tick of tolerance on starts: the cursor cannot stand nearer than one tick to any
+        # moment, so a slot that starts within half a tick of it already counts as computing.
+        eps = 0.5 * (self.t_max - self.t_lo) / self.ticks
+        res: dict[str, Any] = {"time": t, "tick": tick}
         for name, tl in self.timelines.items():
-            computing = sum(1 for iv in tl if iv["start_time"] <= t < iv["finish_time"])
+            computing = sum(1 for iv in tl if iv["start_time"] <= t + eps and t < iv["finish_time"])
             held_idle = sum(1 for iv in tl if iv["finish_time"] <= t < iv["end_time"])
             done = len({iv["request"] for iv in tl if iv["outcome"] != "preempted" and iv["finish_time"] <= t})
             res[name] = {"computing": computing, "held_idle": held_idle, "done": done,
                          "requests": len({iv["request"] for iv in tl})}
         return res
 
+    def _parts(self) -> list[str]:
+        return [f"{k}: {v['done']}/{v['requests']} done, {v['computing']} computing"
+                + (f", {v['held_idle']} slot{'s' if v['held_idle'] != 1 else ''} held idle" if v["held_idle"] else "")
+                for k, v in self.result.items() if k not in ("time", "tick")]
+
+    def summary(self) -> str:
+        return f"at {self.result['time']:.4g} {self.unit}: " + "; ".join(self._parts())
+
     def draw(self) -> Figure:
         r = self.result
-        parts = [f"{k}: {v['done']}/{v['requests']} done, {v['computing']} computing"
-                 + (f", {v['held_idle']} slot{'s' if v['held_idle'] != 1 else ''} held idle" if v["held_idle"] else "")
-                 for k, v in r.items() if k != "time"]
         return viz.plot_timeline(self.traces, cursor=r["time"],
-                                 title=f"At time {r['time']:.4g} (red line): " + "; ".join(parts))
+                                 title=f"At time {r['time']:.4g} {self.unit} (red line): " + "; ".join(self._parts()))
 
 
 def batching_timeline(static_trace: Trace, continuous_trace: Trace, time: float | None = None,

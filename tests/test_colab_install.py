@@ -45,6 +45,58 @@ def test_cell_skips_the_install_when_minipaged_is_there(monkeypatch, tmp_path):
     assert calls == []
 
 
+COLAB_IPYWIDGETS = "ipywidgets==7.7.1"  # what Colab ships (JupyterLab 4 needs 8: the course extra)
+
+
+def test_install_cell_installs_no_extra():
+    """Colab keeps its ipywidgets 7.7.1: the cell installs the package bare, never `[course]`."""
+    import tomllib
+
+    for args in install_commands():
+        assert not any("[" in a or "ipywidgets" in a for a in args), args
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["course"]
+    assert "ipywidgets>=8" in extra, "JupyterLab 4 renders only ipywidgets 8: the course extra must ask for it"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_widgets_work_with_colabs_ipywidgets(tmp_path):
+    """The three apps, built and moved with ipywidgets 7.7.1 (Colab's) in front of the installed 8."""
+    target = tmp_path / "iw7"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                        COLAB_IPYWIDGETS, "ipython_genutils"], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        pytest.skip(f"could not fetch {COLAB_IPYWIDGETS} (no package index?): {r.stderr[-500:]}")
+    probe = textwrap.dedent("""
+        import ipywidgets
+        assert ipywidgets.__version__ == "7.7.1", ipywidgets.__version__
+        from minipaged import widgets
+        from minipaged.trace import sample_requests, simulate, simulate_static
+        R = sample_requests(12, seed=1)
+        t, s = simulate(R, num_blocks=48, block_size=8, max_num_seqs=4), simulate_static(R, batch_size=4)
+        calc = widgets.memory_calculator()
+        assert not calc.static and calc.result["paged_seqs"] == 60
+        calc.seq_len.value = 1000
+        assert calc.result["paged_seqs"] == 18 and "paged fits 18" in calc.readout.value
+        calc.model.value = "custom"
+        assert not calc.custom_layers.disabled
+        calc.set(model="Llama-2-7B", device_gib=12)
+        assert calc.result["gain"] is None and "does not fit" in calc.readout.value
+        tl = widgets.batching_timeline(s, t)
+        tl.tick.value = 0
+        assert tl.result["static"]["computing"] == 4 and tl.tick.label == "0 steps"
+        assert tl.link.target == (tl.tick, "index")
+        pt = widgets.page_table_explorer(t)
+        pt.step.value = 0
+        assert pt.result["step"] == 0 and "step 0:" in pt.readout.value
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), str(ROOT)]))
+    env.pop("MINIPAGED_STATIC", None)
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
 def _copy_package(dest: Path) -> Path:
     """Only what `pip install <dir>` needs, so no build output lands in the checkout."""
     dest.mkdir()
@@ -58,7 +110,7 @@ def _copy_package(dest: Path) -> Path:
 PROBE = textwrap.dedent("""
     import json, sys, importlib.util
     out = {}
-    for name in ("torch", "triton"):
+    for name in ("torch", "triton", "ipywidgets"):
         if importlib.util.find_spec(name):
             m = __import__(name)
             out[name] = [m.__version__, m.__file__]
@@ -87,9 +139,10 @@ def test_install_cell_on_a_fake_colab(tmp_path):
         assert r.returncode == 0, f"{' '.join(map(str, args))} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         return r.stdout
 
-    # The "Colab image": torch (the release this checkout is tested with) and triton, nothing of ours.
+    # The "Colab image": torch (the release this checkout is tested with), triton and Colab's
+    # ipywidgets 7.7.1 (the course extra asks for >= 8, which the install cell must not bring in).
     spec = f"torch=={torch.__version__.split('+')[0]}"
-    run([py, "-m", "pip", "install", "-q", spec, "triton"], timeout=420)
+    run([py, "-m", "pip", "install", "-q", spec, "triton", COLAB_IPYWIDGETS], timeout=420)
     before = json.loads(run([py, "-c", PROBE]).strip().splitlines()[-1])
     assert "torch" in before and "minipaged" not in before
 
@@ -112,7 +165,8 @@ def test_install_cell_on_a_fake_colab(tmp_path):
     assert "ready" in out
 
     after = json.loads(run([py, "-c", PROBE]).strip().splitlines()[-1])
-    for name in ("torch", "triton"):
+    assert before["ipywidgets"][0] == COLAB_IPYWIDGETS.split("==")[1]
+    for name in ("torch", "triton", "ipywidgets"):
         assert after.get(name) == before.get(name), f"the install cell replaced {name}: {before.get(name)} -> {after.get(name)}"
     version, init, model_path, exists = after["minipaged"]
     assert Path(init).resolve().is_relative_to(venv.resolve()), f"minipaged was imported from {init}, not the venv"

@@ -170,7 +170,7 @@ def _serve(model, tok, **parts):
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in ("Name a colour.", "What is 2+2?", "Say hi.")]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     # a small pool and budget, so preemption and chunked prefill happen with the lean parts too
-    eng = LLMEngine(model, tok, block_size=4, num_blocks=18, max_num_batched_tokens=16, **parts)
+    eng = LLMEngine(model, tok, block_size=4, num_blocks=18, max_num_batched_tokens=16, enable_prefix_caching=False, **parts)
     ids = [eng.add_request(p, params) for p in prompts]
     done = eng.run()
     check_scheduler(eng.scheduler)

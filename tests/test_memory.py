@@ -156,3 +156,32 @@ def test_format_bytes():
     assert mem.format_bytes(5 * GiB) == "5.00 GiB"
     assert mem.format_bytes(12) == "12 B"
     assert math.isinf(mem.Concurrency(0, 1, 16, 8, 0, 0, 3, 0.5, 0.0, 0, 0, 0, 0).gain)
+
+
+def test_seed_scenario_recomputes_every_figure_by_hand():
+    """The seed page's A100-40GB / 7B fp16 / 2,048-token scenario, each figure worked out by hand here."""
+    s = mem.seed_scenario()
+    f, claims = s["figures"], {c.number: c for c in s["claims"]}
+    assert sorted(claims) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    per_token = 2 * 32 * 32 * 128 * 2  # K and V, layers, KV heads, head_dim, fp16 bytes
+    assert f["kv_bytes_per_token"] == per_token == 512 * 1024
+    assert f["kv_bytes_per_sequence"] == 2048 * per_token == GiB
+    assert f["weights_bytes"] == 14 * 10**9 and f["kv_budget_bytes"] == (40 - 14 - 2) * 10**9
+    assert f["contiguous_seqs"] == 24 * 10**9 // GiB == 22  # not the page's 9
+    assert f["tokens_per_reservation_for_9"] == pytest.approx(24e9 / 9 / per_token)
+    n_blocks = 24 * 10**9 // (16 * per_token)
+    assert f["paged_seqs_at_60pct_lengths"] == n_blocks // math.ceil(819 / 16) == 55
+    assert f["continuous_over_static"] == pytest.approx(2576 / 1820) and round(2576 / 1820, 2) == 1.42
+    assert f["continuous_over_naive"] == pytest.approx(3.07, abs=0.005)
+    verdicts = {n: c.verdict for n, c in claims.items()}
+    assert verdicts == {1: "reproduced", 2: "reproduced", 3: "inconsistent", 4: "inconsistent", 5: "off",
+                        6: "reproduced", 7: "no method", 8: "inconsistent", 9: "inconsistent", 10: "reproduced"}
+    assert claims[3].off_by == pytest.approx(9 / 22)
+    assert claims[5].off_by == pytest.approx(3.5 / (24 / 9))
+    assert "22, not 9" in claims[3].note and "1.42x" in claims[9].note and "2,576" in claims[8].note
+
+
+def test_seed_scenario_follows_its_inputs():
+    # An 80 GB device leaves 64 GB: 59 full reservations; a 4096-token max_len halves them.
+    assert mem.seed_scenario(device_gb=80)["figures"]["contiguous_seqs"] == 64 * 10**9 // GiB == 59
+    assert mem.seed_scenario(max_len=4096)["figures"]["contiguous_seqs"] == 24 * 10**9 // (2 * GiB) == 11

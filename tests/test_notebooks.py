@@ -28,6 +28,7 @@ LESSONS = [
     "06_continuous_batching",
     "07_whole_engine",
     "08_prefix_caching_and_sharing",
+    "09_serving",
 ]
 # The workbook each lesson points to at its end (00 has none; 05's is the Triton kernel workbook).
 WORKBOOK = {
@@ -169,6 +170,29 @@ def test_some_outputs_are_checked_and_stored():
     for name, cells in checked.items():
         for c in cells:
             assert c.get("outputs"), f"{name}: a # NBVAL_CHECK_OUTPUT cell has no stored output to compare with"
+
+
+# The cells whose asserts make a lesson fail when the code under it breaks (tests/test_planted_bugs.py
+# shows it for the kernel, the reference attention, the allocator and the scheduler).
+ASSERTED = {
+    "00_setup_and_tour": ["Paris", 'st["steps"]', '"".join(pieces)'],
+    "01_kv_cache": ["kv_bytes_per_token ==", 'r["contiguous_seqs"] ==', "naive.trace.kv_waste() >=", "paged < 0.04",
+                    "verdicts[3]", "my_reservations =="],
+    "02_block_allocator": ["order == [5, 6, 7, 0, 1, 2]", "(1, 3)", "waste[sizes.index(16)]", "len(blocks) * 16 - n < 16"],
+    "03_page_table": ["slot == block * 4 + offset", "after == [", "no block was reused", 'st["peak_blocks_used"] <='],
+    "04_paged_attention_torch": ["(out - sdpa(q, K, V)).abs().max() < 1e-5", "assert all(ok)", "(out4 - wrong)"],
+    "05_triton_kernel": ["err < 1e-4", "triton_answer.token_ids == torch_answer.token_ids", '"Paris" in torch_answer'],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ASSERTED))
+def test_lessons_assert_their_key_results(name):
+    """A lesson that only prints can pass with a broken kernel (an error of 1.1 printed, nothing failed)."""
+    asserts = [ln.strip() for c in code_cells(load(name)) for ln in src(c).splitlines() if ln.strip().startswith("assert")]
+    body = "\n".join(src(c) for c in code_cells(load(name)))
+    for key in ASSERTED[name]:
+        assert any(key in a for a in asserts) or any(key in ln and "assert" in ln for ln in body.splitlines()), (
+            f"{name}: no assert checks {key!r} any more; a lesson must assert what it shows")
 
 
 def test_timings_table_lists_every_lesson():

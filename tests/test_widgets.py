@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from minipaged import memory as mem
 from minipaged import widgets
 from minipaged.bench.simulate import sample_requests, simulate, simulate_static
+from minipaged.trace import StepRecord, Trace
 
 ipywidgets = pytest.importorskip("ipywidgets")
 REQS = sample_requests(24, seed=11)
@@ -84,11 +85,38 @@ def test_memory_calculator_set_and_edges():
     app.set(device_gib=12, seq_len=100)  # two controls, one redraw
     assert app.renders == n + 1 and app.device_gib.value == 12
     assert not app.result["fits"] and app.result["paged_seqs"] == 0
-    assert "does not fit" in _suptitle(app.figure)
-    app.set(device_gib=40, seq_len=5000, max_len=2048)  # longer than the reservation: capped
+    # no fake "0% waste, 1.0x" for a model that does not fit: no numbers, and a sentence instead
+    assert app.result["gain"] is None and app.result["contiguous_waste"] is None and app.result["paged_waste"] is None
+    assert "does not fit" in _suptitle(app.figure) and "does not fit" in app.readout.value
+    assert "1.0x" not in app.readout.value and "0%" not in app.readout.value
+    texts = [t.get_text() for ax in app.figure.axes for t in ax.texts]
+    assert "no sequence fits" in texts and not any("waste" in t for t in texts), texts
+    app.set(device_gib=40, seq_len=5000, max_len=2048)  # longer than the reservation: capped, and said so
     assert app.result["seq_len"] == 2048 and app.result["contiguous_waste"] == 0.0
+    assert app.result["clamped"] and app.result["seq_len_asked"] == 5000
+    assert "clamped to 2,048" in app.readout.value and "clamped to 2,048" in _suptitle(app.figure)
+    app.set(seq_len=2048)  # exactly max_len is not clamped
+    assert not app.result["clamped"] and "clamped" not in app.readout.value
     with pytest.raises(KeyError, match="unknown control"):
         app.set(colour="red")
+
+
+def test_memory_calculator_columns_wrap():
+    """Two 460 px columns side by side overflow a narrow screen: the row must wrap, each column shrink."""
+    app = widgets.memory_calculator()
+    row = app.widget.children[0]
+    assert isinstance(row, ipywidgets.HBox) and row.layout.flex_flow == "row wrap"
+    for col in row.children:
+        assert col.layout.max_width == "100%" and col.layout.width == "460px"
+        for c in col.children:
+            assert c.layout.max_width == "100%", c.description
+
+
+def test_readout_text_follows_the_controls():
+    app = widgets.memory_calculator(device_gib=24, seq_len=300, max_len=2048)
+    assert "contiguous fits 9, paged fits 60 (6.7x)" in app.readout.value
+    app.seq_len.value = 1000
+    assert "paged fits 18" in app.readout.value
 
 
 def test_page_table_explorer(runs):
@@ -117,13 +145,49 @@ def test_batching_timeline(runs):
     app.tick.value = 0
     assert app.result["static"]["done"] == app.result["continuous"]["done"] == 0
     assert app.result["static"]["computing"] == 6 == app.result["continuous"]["computing"]
-    app.tick.value = app.tick.max
+    app.tick.value = app.ticks
     assert app.result["static"]["done"] == n and app.result["static"]["computing"] == 0
     mid = app.tick_of(stat.total_time / 2)
     app.tick.value = mid
     assert app.result["static"]["held_idle"] + app.result["static"]["computing"] == 6
     assert "At time" in _suptitle(app.figure)
     assert isinstance(app.play, ipywidgets.Play)
+    # Play drives the slider's index; the slider reads out times in the traces' unit, not tick numbers
+    assert app.link.target == (app.tick, "index")
+    assert app.tick.label == app.label_of(mid) == f"{app.time_at(mid):.4g} steps"
+
+
+def _timed_static_trace(start: float, finishes: list[float], end: float) -> Trace:
+    """One static batch as baselines.run_static records it: every slot starts a little after 0."""
+    t = Trace(kind="static")
+    t.steps.append(StepRecord(step=0, time=end, running=(), waiting=(), batch=(), prefill_tokens=0, decode_tokens=0,
+                              sampled_tokens=0, preemptions=0, reserved_slots=0, used_slots=0, slots={}))
+    t.meta["time_unit"] = "s"
+    for slot, f in enumerate(finishes):
+        t._closed.append({"request": slot, "slot": slot, "start": 0, "end": 1, "start_time": start,
+                          "end_time": end, "finish": 1, "finish_time": f, "outcome": "length"})
+    return t
+
+
+def test_batching_timeline_first_tick_shows_the_first_batch_computing():
+    """A real run's first batch starts ~7e-5 s in: the cursor at its first tick must count it."""
+    stat = _timed_static_trace(7e-5, [0.4, 1.0, 2.5, 3.0], end=3.0)
+    cont = _timed_static_trace(0.0, [0.5, 0.9, 1.2, 1.5], end=1.5)
+    app = widgets.batching_timeline(stat, cont)
+    app.tick.value = 0
+    assert app.result["time"] == 0.0
+    assert app.result["static"]["computing"] == 4 and app.result["continuous"]["computing"] == 4
+    assert "static: 0/4 done, 4 computing" in app.readout.value
+    assert app.tick.label == "0 s" and app.label_of(app.ticks) == "3 s"
+    app.tick.value = app.tick_of(1.1)  # static: 1 of 4 finished, its slot idles until the batch ends
+    r = app.result["static"]
+    assert (r["done"], r["computing"], r["held_idle"]) == (2, 2, 2)
+    assert app.tick.label.endswith(" s") and float(app.tick.label.split()[0]) == pytest.approx(app.result["time"], rel=1e-3)
+    app.tick.value = app.ticks
+    assert app.result["static"]["done"] == 4 and app.result["static"]["computing"] == 0
+    app.values["tick"] = app.ticks + 1
+    with pytest.raises(IndexError, match="tick_of"):
+        app.compute()
 
 
 def test_static_fallback_with_env(monkeypatch, runs):

@@ -1,0 +1,219 @@
+"""`minipaged bench profile`: where one engine step's time goes, at batch 1, 16 and 64.
+
+Owns the measurement only, by wall clock: on a CPU every PyTorch op is synchronous, so a
+``time.perf_counter()`` before and after a call is that call's cost. The engine is not changed;
+timers are wrapped around its public parts for the run and removed afterwards:
+
+- linear layers: forward hooks on every ``nn.Linear`` of the decoder (q, k, v, o, gate, up, down);
+- LM head: forward hooks on ``model.lm_head``;
+- attention: the backend's ``write_kv`` and ``paged_attention`` (a timing backend wraps the chosen one);
+- other model ops: the model's forward minus the two above (embedding, RMSNorm, RoPE, SiLU, residuals);
+- sampling: the engine's sampler; scheduler: ``schedule`` and ``update``; runner: the model runner's
+  ``prepare``; detokenizing: every ``tokenizer.decode`` call;
+- engine glue: the rest of ``step()`` (outputs, stop checks, bookkeeping).
+
+Each batch size serves that many real chat requests x ``max_tokens`` new tokens at once
+(greedy, EOS ignored, fp32), and the shares are of the summed step time of the whole run,
+prefill steps included. Prints a markdown table (the README's) and can write JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+CATEGORIES = ("linear layers", "attention", "LM head", "other model ops", "sampling", "scheduler", "runner",
+              "detokenizing", "engine glue")
+
+
+class Timers:
+    """Exclusive seconds per category: time spent in a timed call nested inside another timed
+    call (a linear layer inside the model's forward, detokenizing inside the scheduler's update)
+    counts for the inner one only. ``wrap`` times a callable, ``hook`` a module's forward."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[list] = []  # [name, start, seconds spent in nested timed calls]
+
+    def enter(self, name: str) -> None:
+        self._stack.append([name, time.perf_counter(), 0.0])
+
+    def exit(self) -> None:
+        name, start, inner = self._stack.pop()
+        total = time.perf_counter() - start
+        self.seconds[name] += total - inner
+        self.calls[name] += 1
+        if self._stack:
+            self._stack[-1][2] += total
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            self.enter(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.exit()
+
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]  (inspect.signature sees fn's parameters)
+        timed.__name__ = getattr(fn, "__name__", name)
+        return timed
+
+    def hook(self, name: str, module: nn.Module) -> list:
+        return [module.register_forward_pre_hook(lambda _m, _a: self.enter(name)),
+                module.register_forward_hook(lambda _m, _a, _o: self.exit())]
+
+
+class _TimedSampler:
+    """Stands in for the engine's sampler: times each call, forwards everything else."""
+
+    def __init__(self, sampler: Any, timers: Timers) -> None:
+        self._sampler, self._timed = sampler, timers.wrap("sampling", sampler.__call__)
+
+    def __call__(self, *args, **kwargs):
+        return self._timed(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sampler, name)
+
+
+def _timing_backend(backend: Any, timers: Timers) -> Any:
+    from ..attention import AttentionBackend
+
+    return AttentionBackend(backend.name, timers.wrap("attention", backend.write_kv),
+                            timers.wrap("attention", backend.paged_attention), backend.takes_num_decodes)
+
+
+def profile_engine(model, tokenizer, requests, max_num_seqs: int, max_num_batched_tokens: int = 2048,
+                   attention: str = "torch", block_size: int = 16) -> dict:
+    """Serve ``requests`` once with timers on; returns seconds per category and the step total."""
+    from ..attention import get_backend
+    from ..engine import LLMEngine
+    from ..sampling import SamplingParams
+
+    timers = Timers()
+    backend = _timing_backend(get_backend(attention, next(model.parameters()).device), timers)
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    num_blocks = min(len(requests), max_num_seqs) * -(-longest // block_size) + 1
+    eng = LLMEngine(model, tokenizer, attention=backend, block_size=block_size, num_blocks=num_blocks,
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, record_trace=False)
+    handles = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and mod is not model.lm_head:
+            handles += timers.hook("linear layers", mod)
+    handles += timers.hook("LM head", model.lm_head)
+    handles += timers.hook("model forward", model)
+    eng.sampler = _TimedSampler(eng.sampler, timers)
+    sched = eng.scheduler
+    sched.schedule = timers.wrap("scheduler", sched.schedule)
+    sched.update = timers.wrap("scheduler", sched.update)
+    eng.runner.prepare = timers.wrap("runner", eng.runner.prepare)
+    tok_decode = tokenizer.decode
+    tokenizer.decode = timers.wrap("detokenizing", tok_decode)
+    try:
+        for r in requests:
+            eng.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
+        step_s, steps, t_run = 0.0, 0, time.perf_counter()
+        while eng.has_unfinished_requests():
+            t = time.perf_counter()
+            eng.step()
+            step_s += time.perf_counter() - t
+            steps += 1
+        wall = time.perf_counter() - t_run
+    finally:
+        for h in handles:
+            h.remove()
+        del tokenizer.decode  # the instance attribute goes; the class's method shows again
+        for name in ("schedule", "update"):
+            sched.__dict__.pop(name, None)
+    sec = dict(timers.seconds)
+    shares = {
+        "linear layers": sec.get("linear layers", 0.0),
+        "attention": sec.get("attention", 0.0),
+        "LM head": sec.get("LM head", 0.0),
+        "other model ops": sec.get("model forward", 0.0),  # exclusive: the forward minus the timed calls inside
+        "sampling": sec.get("sampling", 0.0),
+        "scheduler": sec.get("scheduler", 0.0),
+        "runner": sec.get("runner", 0.0),
+        "detokenizing": sec.get("detokenizing", 0.0),
+    }
+    shares["engine glue"] = max(0.0, step_s - sum(shares.values()))
+    tokens = sum(r.max_tokens for r in requests)
+    return {"batch": max_num_seqs, "requests": len(requests), "steps": steps, "step_seconds": step_s, "wall_seconds": wall,
+            "output_tokens_per_s": tokens / wall, "seconds": shares, "calls": dict(timers.calls),
+            "share": {k: v / step_s for k, v in shares.items()}}
+
+
+def run_profile(batches: tuple[int, ...] = (1, 16, 64), max_tokens: int = 64, attention: str = "torch",
+                max_num_batched_tokens: int = 2048) -> dict:
+    from ..model import load_model
+    from .speed import chat_workload
+
+    model, tok = load_model(None, dtype=torch.float32, device="cpu")
+    warm = chat_workload(tok, 2, 8).requests
+    profile_engine(model, tok, warm, 2, max_num_batched_tokens, attention)  # first-call costs are not serving
+    rows = []
+    for b in batches:
+        wl = chat_workload(tok, b, max_tokens)
+        rows.append(profile_engine(model, tok, wl.requests, b, max_num_batched_tokens, attention))
+    return {"batches": list(batches), "max_tokens": max_tokens, "attention": attention, "threads": torch.get_num_threads(),
+            "runs": rows}
+
+
+def format_markdown(res: dict) -> str:
+    runs = res["runs"]
+    head = "| share of step time | " + " | ".join(f"batch {r['batch']}" for r in runs) + " |"
+    lines = [head, "|" + "---|" * (len(runs) + 1)]
+    for cat in CATEGORIES:
+        lines.append(f"| {cat} | " + " | ".join(f"{r['share'][cat] * 100:.1f}%" for r in runs) + " |")
+    lines.append("| ms per step | " + " | ".join(f"{r['step_seconds'] / r['steps'] * 1e3:.1f}" for r in runs) + " |")
+    lines.append("| output tok/s | " + " | ".join(f"{r['output_tokens_per_s']:.1f}" for r in runs) + " |")
+    return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes (requests served together)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--attention", default="torch", choices=["torch", "reference", "auto"])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 gives steadier shares on a busy machine")
+
+
+def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int:
+    ap = ap or getattr(a, "_parser", None) or argparse.ArgumentParser(prog="minipaged bench profile")
+    if a.threads is not None:
+        if a.threads < 1:
+            ap.error(f"--threads must be >= 1, got {a.threads}")
+        torch.set_num_threads(a.threads)
+    try:
+        batches = tuple(int(x) for x in a.batches.split(",") if x.strip())
+    except ValueError:
+        ap.error(f"--batches must be comma-separated integers like 1,16,64, got {a.batches!r}")
+    if not batches or min(batches) < 1 or a.max_tokens < 1:
+        ap.error("--batches needs at least one size >= 1 and --max-tokens must be >= 1")
+    res = run_profile(batches, a.max_tokens, a.attention)
+    res["arguments"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if not k.startswith("_") and not callable(v)}
+    print(f"{res['max_tokens']} new tokens per request, chat prompts, greedy, fp32, {res['threads']} threads, wall clock per category")
+    print(format_markdown(res))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(res, indent=1))
+        print(f"wrote {a.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="minipaged bench profile", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv), ap)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""The FastAPI app: OpenAI's routes over one ``EngineLoop``.
+
+Owns HTTP: reading bodies within a size limit, routing, server-sent events, noticing a client
+that went away (its request is aborted), and turning every error into an OpenAI-style JSON body
+with a 4xx (or a bare 500 without a traceback). It never calls the engine: it talks to the
+engine loop only, through ``submit`` / ``abort`` and each request's event queue.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``"stream": true``), ``GET /health``, ``GET /metrics``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import protocol as P
+from .engine_loop import EngineLoop, Event, samples_of
+from .metrics import ServerMetrics
+
+log = logging.getLogger("minipaged.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The server's own settings (the engine's are an EngineConfig, passed to the engine factory).
+
+    ``model_names``: the names a request's ``model`` may use; the first is listed first.
+    ``max_waiting_requests``: past this many waiting, a new request gets 503.
+    ``max_request_bytes``: a larger body gets 413. ``max_prompts``: a batch of more prompts gets 400.
+    ``drain_timeout_s``: on shutdown, how long in-flight requests may run before they are aborted.
+    """
+
+    model_names: tuple[str, ...] = ("minipaged",)
+    max_waiting_requests: int = 512
+    max_request_bytes: int = 1 << 20
+    max_prompts: int = 64
+    drain_timeout_s: float = 10.0
+    default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
+
+    def __post_init__(self) -> None:
+        if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
+            raise ValueError(f"model_names must be non-empty strings, got {self.model_names!r}")
+        for name in ("max_waiting_requests", "max_request_bytes", "max_prompts", "default_completion_max_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
+
+
+class _Disconnected(Exception):
+    pass
+
+
+def _error_response(e: P.APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise P.APIError(413, f"the request body has {int(length)} bytes, more than the limit of {limit}: send a shorter prompt", "invalid_request_error", None, "request_too_large")
+    buf = bytearray()
+    async for part in request.stream():
+        buf += part
+        if len(buf) > limit:
+            raise P.APIError(413, f"the request body is over the limit of {limit} bytes: send a shorter prompt", "invalid_request_error", None, "request_too_large")
+    if not buf:
+        raise P.bad_request("the request has no body: send a JSON object")
+    try:
+        return json.loads(buf)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise P.bad_request(f"the body is not valid JSON ({str(e)[:120]}): send a JSON object") from None
+
+
+def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerConfig | None = None) -> FastAPI:
+    """The app. ``engine_factory()`` builds the engine on the engine thread when the app starts;
+    or pass an ``EngineLoop`` (started or not) to share one."""
+    cfg = config or ServerConfig()
+    metrics = ServerMetrics(cfg.model_names[0])
+    if isinstance(engine_factory, EngineLoop):
+        loop_ = engine_factory
+        loop_.metrics = loop_.metrics or metrics
+        metrics = loop_.metrics
+    else:
+        loop_ = EngineLoop(engine_factory, cfg.max_waiting_requests, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await asyncio.to_thread(loop_.start)
+        yield
+        await asyncio.to_thread(loop_.shutdown, cfg.drain_timeout_s)
+
+    app = FastAPI(title="minipaged", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine_loop = loop_
+    app.state.metrics = metrics
+    app.state.config = cfg
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request: Request, e: P.APIError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        msg = f"no route {request.method} {request.url.path}: see GET /v1/models, POST /v1/completions, POST /v1/chat/completions" if e.status_code in (404, 405) else str(e.detail)
+        return _error_response(P.APIError(e.status_code, msg, kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return _error_response(P.bad_request(f"invalid request: {str(e)[:300]}"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return _error_response(P.internal_error(f"the server failed on this request ({type(e).__name__}); its log has the details"))
+
+    @app.get("/health")
+    async def health():
+        if loop_.accepting:
+            return JSONResponse({"status": "ok"})
+        why = "shutting down" if loop_.alive else f"engine loop stopped: {loop_.fatal_error}"
+        return JSONResponse({"status": why}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics_route():
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models():
+        created = P.now()
+        data = [{"id": n, "object": "model", "created": created, "owned_by": "minipaged", "root": cfg.model_names[0],
+                 "max_model_len": loop_.max_model_len} for n in cfg.model_names]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate("chat", request)
+
+    async def _generate(kind: str, request: Request):
+        arrival = time.perf_counter()
+        data = await _read_json(request, cfg.max_request_bytes)
+        req = P.parse_request(kind, data)
+        if req.model is not None and req.model not in cfg.model_names:
+            raise P.model_not_found(req.model, list(cfg.model_names))
+        model = req.model or cfg.model_names[0]
+        default_max = cfg.default_completion_max_tokens if kind == "completion" else max(1, loop_.max_model_len)
+        params = P.sampling_params_of(req, default_max)
+        prompts = P.prompts_of(req)
+        if len(prompts) > cfg.max_prompts:
+            raise P.bad_request(f"{len(prompts)} prompts in one request, more than {cfg.max_prompts}: split the batch", "prompt")
+        rid = P.new_id(kind)
+        sub_ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        events: asyncio.Queue = asyncio.Queue()
+        aio = asyncio.get_running_loop()
+        auto = kind == "chat" and req.max_tokens is None and req.max_completion_tokens is None
+        for sid, prompt in zip(sub_ids, prompts):
+            loop_.submit(sid, prompt, params, events, aio, arrival, auto_max_tokens=auto)
+        call = _Call(kind, rid, model, P.now(), sub_ids, events, loop_, n=getattr(params, "n", 1))
+        try:
+            await call.wait_first(request)  # errors (bad prompt, too long, overloaded) before any header
+        except (P.APIError, _Disconnected, asyncio.CancelledError) as e:
+            call.abort_unfinished()
+            if isinstance(e, _Disconnected):
+                return Response(status_code=499)
+            raise
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _EventStream(call, include_usage)
+        try:
+            return JSONResponse(await call.collect(request))
+        except _Disconnected:
+            return Response(status_code=499)
+        finally:
+            call.abort_unfinished()
+
+    return app
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events of one call; however the response ends (done, client gone, cancelled),
+    the call's unfinished engine requests are aborted at once, not when the generator is collected."""
+
+    def __init__(self, call: "_Call", include_usage: bool) -> None:
+        super().__init__(call.stream(include_usage), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.call = call
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.call.abort_unfinished()
+
+
+class _Call:
+    """One HTTP request's engine requests (one per prompt of a batch) and their event queue.
+
+    Choice ``i * n + j`` is sample ``j`` of prompt ``i`` (OpenAI's order for a batch with ``n``).
+    """
+
+    def __init__(self, kind: str, rid: str, model: str, created: int, sub_ids: list[str], events: asyncio.Queue,
+                 loop_: EngineLoop, n: int = 1) -> None:
+        self.kind, self.rid, self.model, self.created, self.n = kind, rid, model, created, n
+        self.index = {sid: i for i, sid in enumerate(sub_ids)}
+        self.events, self.loop_ = events, loop_
+        self.unfinished = set(sub_ids)
+        self.buffered: list[Event] = []
+        self.prompt_tokens: dict[str, int] = {}
+        self.completion_tokens: dict[str, int] = {}
+
+    def _choice(self, request_id: str, sample: int) -> int:
+        return self.index[request_id] * self.n + sample
+
+    async def _next(self, request: Request | None) -> Event:
+        """The next event; while none comes, check every second whether the client is still there."""
+        get = asyncio.ensure_future(self.events.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({get}, timeout=1.0)
+                if done:
+                    return get.result()
+                if request is not None and await request.is_disconnected():
+                    raise _Disconnected()
+        finally:
+            if not get.done():
+                get.cancel()
+
+    def _note(self, ev: Event) -> None:
+        if ev.kind == "error" or (ev.output is not None and ev.output.finished):
+            self.unfinished.discard(ev.request_id)
+        if ev.output is not None:
+            self.prompt_tokens[ev.request_id] = len(ev.output.prompt_token_ids)
+            self.completion_tokens[ev.request_id] = sum(len(x.token_ids) for x in samples_of(ev.output))
+
+    async def wait_first(self, request: Request) -> None:
+        """Wait for every engine request's first event; raise the first error among them."""
+        seen: set[str] = set()
+        while len(seen) < len(self.index):
+            ev = await self._next(request)
+            self._note(ev)
+            if ev.kind == "error":
+                raise ev.error
+            seen.add(ev.request_id)
+            self.buffered.append(ev)
+
+    def abort_unfinished(self) -> None:
+        for sid in list(self.unfinished):
+            self.loop_.abort(sid)
+        self.unfinished.clear()
+
+    async def collect(self, request: Request) -> dict:
+        texts = {i: "" for i in range(len(self.index) * self.n)}
+        reasons: dict[int, str | None] = {}
+        pending = list(self.buffered)
+        while pending or self.unfinished:
+            ev = pending.pop(0) if pending else await self._next(request)
+            self._note(ev)
+            if ev.kind == "error":
+                raise ev.error
+            for j, delta, reason in ev.choices:
+                texts[self._choice(ev.request_id, j)] += delta
+                if reason is not None:
+                    reasons[self._choice(ev.request_id, j)] = P.finish_reason(reason)
+            if ev.output.finished:  # the engine's final texts, stop strings already cut
+                for j, sample in enumerate(samples_of(ev.output)):
+                    texts[self._choice(ev.request_id, j)] = sample.text
+        choices = [{"index": i, "text": texts[i], "finish_reason": reasons.get(i)} for i in sorted(texts)]
+        return P.completion_body(self.kind, self.rid, self.model, choices, sum(self.prompt_tokens.values()),
+                                 sum(self.completion_tokens.values()), self.created)
+
+    async def stream(self, include_usage: bool) -> AsyncIterator[bytes]:
+        pending = list(self.buffered)
+        try:
+            if self.kind == "chat":
+                for i in range(len(self.index) * self.n):
+                    yield P.sse(P.chunk("chat", self.rid, self.model, self.created, i, "", None, first=True))
+            while pending or self.unfinished:
+                ev = pending.pop(0) if pending else await self._next(None)
+                self._note(ev)
+                if ev.kind == "error":
+                    yield P.sse(ev.error.body())
+                    break
+                for j, delta, reason in ev.choices:
+                    yield P.sse(P.chunk(self.kind, self.rid, self.model, self.created, self._choice(ev.request_id, j),
+                                        delta, P.finish_reason(reason)))
+            if include_usage:
+                yield P.sse(P.usage_chunk(self.kind, self.rid, self.model, self.created,
+                                          sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())))
+            yield P.sse("[DONE]")
+        finally:  # the client went away (the response was cancelled) or an error ended it
+            self.abort_unfinished()

@@ -1,0 +1,159 @@
+"""``minipaged serve`` and ``minipaged bench serve``: their argument parsers and what they run.
+
+Owns the command line of the server and the load generator. The engine's options are made
+from ``EngineConfig``'s fields (one flag per field, never declared again here), so a new engine
+setting is a new flag by itself. ``add_serve_parser(subparsers)`` and
+``add_bench_serve_parser(subparsers)`` plug into ``minipaged``'s parser.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+from . import SERVE_EXTRA_HINT
+
+# Engine settings the server decides itself: a server runs for days, and a per-step trace grows.
+SERVER_FIXED = {"record_trace": False}
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    from ..config import EngineConfig
+
+    g = p.add_argument_group("engine options (minipaged.config.EngineConfig)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in SERVER_FIXED:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        ann = str(f.type)
+        if ann == "bool":
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=f"default {f.default}")
+        elif "int" in ann:
+            g.add_argument(flag, dest=f.name, type=int, default=None, metavar="N", help=f"default {f.default}")
+        else:
+            g.add_argument(flag, dest=f.name, default=None, help=f"default {f.default}")
+    g.add_argument("--attention", default="auto", choices=["auto", "torch", "triton", "reference"],
+                   help="the paged-attention backend (default auto)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig/Parts keywords a parsed command line gives (unset flags keep the defaults)."""
+    from ..config import EngineConfig
+
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if getattr(args, f.name, None) is not None}
+    kw.update(SERVER_FIXED)
+    kw["attention"] = args.attention
+    return kw
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (needs the serve extra)",
+        description="Serve a model over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.",
+    )
+    p.add_argument("--model", default=None, help="a GGUF file or a local Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names clients may give as `model` (default: the model's name, and its Hub name for the default model)")
+    p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only); 0.0.0.0 serves the network")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
+    p.add_argument("--max-waiting-requests", type=int, default=512, help="past this many waiting, new requests get 503 (default 512)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default 1 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=10.0, help="on SIGTERM, seconds in-flight requests may finish before they are aborted")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    _engine_flags(p)
+    p.set_defaults(fn=run_serve)
+    return p
+
+
+def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from ..bench.serve import add_arguments, main_from_args
+
+    p = subparsers.add_parser(
+        "serve", help="load-generate against an OpenAI-compatible server (minipaged or vLLM)",
+        description="Send requests at a rate to an OpenAI-compatible endpoint and report throughput, TTFT, TPOT, ITL, latency and goodput.",
+    )
+    add_arguments(p)
+    p.set_defaults(fn=main_from_args)
+    return p
+
+
+def served_names(model: str | None, engine_model: Any) -> tuple[str, ...]:
+    from ..model import DEFAULT_ALIASES, default_model_path, resolve_model_path
+
+    def is_default() -> bool:
+        try:
+            return resolve_model_path(model).resolve() == default_model_path().resolve()
+        except Exception:  # noqa: BLE001 - no default model installed: it is not the default
+            return False
+
+    if model is None or str(model) in DEFAULT_ALIASES or is_default():
+        return ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "default")
+    name = getattr(engine_model.config, "name", None) or str(model)
+    return (str(name), str(model)) if str(name) != str(model) else (str(name),)
+
+
+def build_app(args: argparse.Namespace):
+    """Load the model (here) and return the app whose engine is built on the engine thread."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"{SERVE_EXTRA_HINT} ({e})") from None
+    import torch
+
+    from ..config import split_kwargs
+    from ..engine import LLMEngine
+    from ..model import load_model
+    from .app import ServerConfig, create_app
+
+    kw = engine_kwargs(args)
+    split_kwargs(kw)  # an invalid engine setting fails here, before the model loads
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
+    names = tuple(args.served_model_name) if args.served_model_name else served_names(args.model, model)
+    cfg = ServerConfig(model_names=names, max_waiting_requests=args.max_waiting_requests,
+                       max_request_bytes=args.max_request_bytes, drain_timeout_s=args.drain_timeout)
+    return create_app(lambda: LLMEngine(model, tokenizer, **kw), cfg), cfg
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app, cfg = build_app(args)
+    loop_ = app.state.engine_loop
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: stop taking requests, let in-flight ones finish
+            loop_.begin_shutdown(cfg.drain_timeout_s)
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None):
+            await super().shutdown(sockets)
+            # uvicorn then re-raises the signal, so the exit status says SIGTERM, as supervisors expect
+            state = "cleanly" if not loop_.alive and loop_.fatal_error is None else f"with an error: {loop_.fatal_error}"
+            print(f"minipaged serve: stopped {state}", flush=True)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=int(cfg.drain_timeout_s) + 5, access_log=args.log_level in ("debug", "info"))
+    server = _Server(config)
+    print(f"minipaged serve: {cfg.model_names[0]} on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops it)", flush=True)
+    server.run()
+    return 0 if not loop_.fatal_error else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m minipaged.server.cli serve ...`` / ``bench-serve ...`` without the main CLI."""
+    ap = argparse.ArgumentParser(prog="minipaged")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_serve_parser(sub)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Prometheus metrics for ``GET /metrics``, named after vLLM's (``vllm:X`` -> ``minipaged:X``).
+
+Owns one private ``CollectorRegistry`` per server (so two servers in one process never share a
+series) and the update hooks the engine loop calls: after every step, at each request's first
+token, at every later token, at each finish. It reads nothing from the engine itself.
+
+Gauges: ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` and the block
+counts. Counters: preemptions, prompt and generation tokens, finished requests by reason,
+rejected requests by reason, prefix-cache queries and hits (tokens; present once the engine has
+a prefix cache). Histograms: time to first token, inter-token latency, end-to-end latency.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+try:  # "_created" timestamps double every counter's lines and say nothing a learner needs
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()
+except ImportError:  # older prometheus-client
+    pass
+
+PREFIX = "minipaged:"
+# Seconds; a CPU serves slower than a GPU, so the buckets reach further than vLLM's.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, lab = self.registry, {"model_name": model_name}
+        self._labels = lab
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, list(lab), registry=r).labels(**lab)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            c = Counter(PREFIX + name, doc, list(lab) + list(extra), registry=r)
+            return c if extra else c.labels(**lab)
+
+        def hist(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(PREFIX + name, doc, list(lab), buckets=buckets, registry=r).labels(**lab)
+
+        self.running = gauge("num_requests_running", "Requests in the engine's running queue (their KV is in the cache).")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for admission (new, or preempted and to be recomputed).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
+        self.blocks_used = gauge("num_kv_blocks_used", "KV blocks in use.")
+        self.blocks_total = gauge("num_kv_blocks_total", "KV blocks in the pool.")
+        self.preemptions = counter("num_preemptions", "Preemptions: a running request lost its blocks and will be recomputed.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
+        self.rejected = counter("request_rejected", "Requests refused (invalid, overloaded, engine error), by reason.", ("reason",))
+        self.aborted = counter("request_aborted", "Requests aborted (the client went away, or shutdown).")
+        self._counter = counter
+        self.pc_queries: Any = None  # registered once the engine reports a prefix cache
+        self.pc_hits: Any = None
+        self.ttft = hist("time_to_first_token_seconds", "From arrival at the server to the first generated token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Between consecutive generated tokens of one request.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "From arrival at the server to the last token.", E2E_BUCKETS)
+        self._seen_preemptions = 0
+        self._seen_pc = {"queries": 0, "hits": 0}
+
+    # -- hooks (called on the engine thread) -----------------------------------------------
+    def on_step(self, st: Any) -> None:
+        self.running.set(st.num_running)
+        self.waiting.set(st.num_waiting)
+        self.blocks_used.set(st.num_used_blocks)
+        self.blocks_total.set(st.num_blocks)
+        self.kv_usage.set(st.num_used_blocks / st.num_blocks if st.num_blocks else 0.0)
+        if st.num_preemptions > self._seen_preemptions:
+            self.preemptions.inc(st.num_preemptions - self._seen_preemptions)
+            self._seen_preemptions = st.num_preemptions
+        if st.extra and self.pc_queries is None:
+            self.pc_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+            self.pc_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        for key, metric in (("queries", self.pc_queries), ("hits", self.pc_hits)):
+            if metric is not None and st.extra.get(key, 0) > self._seen_pc[key]:
+                metric.inc(st.extra[key] - self._seen_pc[key])
+                self._seen_pc[key] = st.extra[key]
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.generation_tokens.inc()
+
+    def on_token(self, seconds_each: float, count: int) -> None:
+        for _ in range(count):
+            self.itl.observe(seconds_each)
+        self.generation_tokens.inc(count)
+
+    def on_finish(self, out: Any, e2e_s: float) -> None:
+        self.e2e.observe(e2e_s)
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.success.labels(finished_reason=str(out.finish_reason), **self._labels).inc()
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason=reason, **self._labels).inc()
+
+    def on_aborted(self) -> None:
+        self.aborted.inc()
+
+    # -- exposition ------------------------------------------------------------------------
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {"name{labels}": value}, plus each name summed over its labels (for lessons, tests)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        out[key] = v
+        name = key.split("{", 1)[0]
+        if "{" in key and "le=" not in key:
+            out[name] = out.get(name, 0.0) + v
+    return out

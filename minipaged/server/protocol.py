@@ -1,0 +1,294 @@
+"""The OpenAI API's request and response shapes, and its error bodies, as the server speaks them.
+
+Owns parsing and validating a request body into engine prompts and ``SamplingParams``, and
+building the JSON of responses and streamed chunks. It never calls the engine: whatever the
+engine itself refuses (token ids out of range, a prompt too long) comes back through
+``engine_loop`` as an error event and is turned into a body here.
+
+Requests are strict: a wrong type is an error (``"max_tokens": "5"`` is not 5, ``true`` is not
+1), an unknown field is an error naming the nearest known one, and an OpenAI field minipaged
+does not implement (``logprobs``, penalties, tools, ...) is refused when it is set, never
+silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..sampling import SamplingParams
+
+
+# -- errors --------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI-style body: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def model_not_found(name: str, served: list[str]) -> APIError:
+    return APIError(
+        404, f"the model {name!r} does not exist here; this server serves {served} (see GET /v1/models)",
+        "not_found_error", "model", "model_not_found",
+    )
+
+
+def overloaded(num_waiting: int, limit: int) -> APIError:
+    return APIError(
+        503, f"the server is overloaded: {num_waiting} requests are already waiting (limit {limit}); retry later, "
+        "or start the server with a larger --max-waiting-requests",
+        "server_overloaded", None, "server_overloaded",
+    )
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down and takes no new requests", "server_shutting_down", None, "shutting_down")
+
+
+def internal_error(message: str) -> APIError:
+    return APIError(500, message, "internal_error", None, "internal_error")
+
+
+# -- requests ------------------------------------------------------------------------------
+# OpenAI fields minipaged does not implement, and the values that mean "not used".
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+# Accepted and ignored on purpose: they change nothing about what is generated.
+IGNORED = ("user",)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0, le=2)  # OpenAI's range
+    top_p: Optional[float] = Field(default=None, gt=0, le=1)
+    top_k: Optional[int] = Field(default=None, ge=-1)  # vLLM's extension: 0 or -1 keeps every token
+    seed: Optional[int] = None  # its range is SamplingParams' to check
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None  # vLLM's extension
+    ignore_eos: bool = False  # vLLM's extension; load generators set it
+    n: int = Field(default=1, ge=1, le=64)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 16:
+            raise ValueError(f"at most 16 stop strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class CompletionRequest(_Common):
+    # a string, a list of token ids, or a batch of either (one choice per prompt)
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]"}
+_SHAPES = {
+    "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+}
+
+
+def _describe(e: dict) -> tuple[str, str | None]:
+    """One pydantic error -> ("field.path: what is wrong (got ...)", top-level field)."""
+    loc = [str(x) for x in e.get("loc", ()) if str(x) not in _UNION_TAGS]
+    path = ".".join(loc)
+    shown = json.dumps(e.get("input"), default=str)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    field = next((name for name in reversed(loc) if name in _SHAPES), None)
+    what = f"must be {_SHAPES[field]}" if field and e.get("type") in ("string_type", "list_type", "int_type", "model_type", "model_attributes_type") else e.get("msg", "invalid")
+    return f"{path}: {what} (got {shown})", (loc[0] if loc else None)
+
+
+def parse_request(kind: Literal["completion", "chat"], data: Any):
+    """A decoded JSON body -> a validated request model, or an APIError(400) that says what to fix."""
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
+    known = set(cls.model_fields) | set(UNSUPPORTED)
+    for key, value in data.items():
+        if key in UNSUPPORTED:
+            if not any(value == ok and type(value) is type(ok) or value is ok for ok in UNSUPPORTED[key]):
+                raise bad_request(f"{key} is not supported by minipaged; leave it out (got {json.dumps(value)[:80]})", key, "unsupported_parameter")
+        elif key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            raise bad_request(f"unknown field {key!r}.{hint}", key, "unknown_parameter")
+    try:
+        req = cls.model_validate({k: v for k, v in data.items() if k not in UNSUPPORTED})
+    except ValidationError as err:
+        msg, param = _describe(err.errors(include_url=False)[0])
+        raise bad_request(msg, param) from None
+    if isinstance(req, CompletionRequest):
+        p = req.prompt
+        if isinstance(p, list) and not p:
+            raise bad_request("prompt: an empty list is no prompt; give a string, token ids, or a list of them", "prompt")
+        if isinstance(p, list) and isinstance(p[0], list) and any(not x for x in p):
+            raise bad_request("prompt: one of the token-id prompts is empty", "prompt")
+    return req
+
+
+def prompts_of(req) -> list[Any]:
+    """The engine prompts a request asks for: one per choice group (a batch of prompts gives several)."""
+    if isinstance(req, ChatCompletionRequest):
+        return [[{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]]
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if p and isinstance(p[0], int):
+        return [token_prompt(p)]
+    return [x if isinstance(x, str) else token_prompt(x) for x in p]
+
+
+def token_prompt(ids: list[int]) -> list[int]:
+    """Token ids as the engine takes them: a plain list of ints, which ``add_request`` range-checks
+    (the ``{"prompt_token_ids": ...}`` form is not checked yet by today's engine)."""
+    return list(ids)
+
+
+def supports_n() -> bool:
+    """Whether this engine's SamplingParams has parallel sampling (``n``)."""
+    return any(f.name == "n" for f in dataclasses.fields(SamplingParams))
+
+
+def sampling_params_of(req, default_max_tokens: int) -> SamplingParams:
+    """The request's SamplingParams; an engine refusal (ValueError/TypeError) becomes a 400 naming the field."""
+    if isinstance(req, ChatCompletionRequest) and req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise bad_request("give max_tokens or max_completion_tokens, not both", "max_tokens")
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and max_tokens is None:
+        max_tokens = req.max_completion_tokens
+    kw: dict[str, Any] = dict(
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=0 if req.top_k is None else req.top_k,
+        seed=req.seed,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+    )
+    if req.n != 1:
+        if not supports_n():
+            raise bad_request(f"n > 1 is not supported yet by this engine (got n={req.n}): send n separate requests", "n", "unsupported_parameter")
+        kw["n"] = req.n
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as e:
+        field = str(e).split(" ", 1)[0]
+        raise bad_request(f"invalid sampling parameters: {e}", field if field in kw else None) from None
+
+
+# -- responses -----------------------------------------------------------------------------
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """The engine's finish reasons, as an OpenAI client reads them ("abort" stays: vLLM sends it too)."""
+    return reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(kind: str, rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int, created: int) -> dict:
+    """choices: [{"index", "text", "finish_reason"}] -> a whole (non-streamed) response."""
+    if kind == "chat":
+        ch = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]}, "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices]
+        obj = "chat.completion"
+    else:
+        ch = [{"index": c["index"], "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices]
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": ch, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chunk(kind: str, rid: str, model: str, created: int, index: int, text: str | None, reason: str | None, first: bool = False) -> dict:
+    """One streamed chunk for one choice (OpenAI's ``text_completion`` / ``chat.completion.chunk``)."""
+    if kind == "chat":
+        delta: dict = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(kind: str, rid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def now() -> int:
+    return int(time.time())

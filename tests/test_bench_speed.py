@@ -1,0 +1,146 @@
+"""`bench speed` and `bench profile`: their arithmetic, their verdicts and their timers, on a tiny model.
+
+Speeds are not asserted here (they belong to the benches' output); what is asserted is that
+the figures are computed by the stated rules and that the profiler leaves the engine as it was.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from minipaged.bench import profile as prof
+from minipaged.bench import speed
+from minipaged.bench.workloads import Request
+
+
+def test_weights_and_flops_follow_the_stated_rule(tiny_model):
+    model, _ = tiny_model
+    cfg = model.config
+    w = speed.model_weights(model)
+    layers = sum(p.numel() for p in model.layers.parameters()) + model.norm.weight.numel()
+    assert w == {"body": layers, "lm_head": cfg.vocab_size * cfg.hidden_size}
+    reqs = [Request([1] * 10, 4), Request([1] * 3, 7)]
+    # body: prompt + output - 1 tokens; head: output tokens only
+    want = 2 * (w["body"] * ((10 + 4 - 1) + (3 + 7 - 1)) + w["lm_head"] * (4 + 7))
+    assert speed.workload_flops(model, reqs) == want
+
+
+def test_gemm_rate_is_a_positive_rate():
+    assert speed.gemm_rate(n=64, seconds=0.05) > 1e6
+
+
+def _res(mp=300.0, hf=100.0, ceil=400.0, b1=40.0, lc=50.0) -> dict:
+    return {"systems": {"minipaged": {"output_tokens_per_s": mp}, "transformers": {"output_tokens_per_s": hf, "batch_size": 64},
+                        "minipaged_batch1": {"output_tokens_per_s": b1}, "llama_cpp_batch1": {"output_tokens_per_s": lc}},
+            "ceiling": {"tokens_per_s": ceil}}
+
+
+def test_ratios_and_each_goal_verdict():
+    r = speed.ratios(_res())
+    assert r["x_transformers"] == pytest.approx(3.0) and r["fraction_of_ceiling"] == pytest.approx(0.75)
+    assert r["llama_cpp_batch1_slowdown"] == pytest.approx(1.25)
+    assert r["goals_met"] == {"x_transformers": True, "fraction_of_ceiling": True, "llama_cpp_batch1": True}
+    # each goal fails on its own breach only
+    assert speed.ratios(_res(hf=160.0))["goals_met"] == {"x_transformers": False, "fraction_of_ceiling": True, "llama_cpp_batch1": True}
+    assert speed.ratios(_res(ceil=600.0))["goals_met"] == {"x_transformers": True, "fraction_of_ceiling": False, "llama_cpp_batch1": True}
+    assert speed.ratios(_res(lc=70.0))["goals_met"] == {"x_transformers": True, "fraction_of_ceiling": True, "llama_cpp_batch1": False}
+
+
+def test_a_skipped_system_gives_no_ratio_and_no_verdict():
+    res = _res()
+    res["systems"]["llama_cpp_batch1"] = {"skipped": "llama-cpp-python is not installed"}
+    r = speed.ratios(res)
+    assert "llama_cpp_batch1_slowdown" not in r and "llama_cpp_batch1" not in r["goals_met"]
+    res["ratios"] = r
+    res["workload"] = {"description": "test"}
+    res["ceiling"]["gemm_gflops"] = 1.0
+    for name in res["systems"]:
+        res["systems"][name].setdefault("output_tokens", 1)
+        res["systems"][name].setdefault("seconds", 1.0)
+    assert "llama_cpp_batch1   skipped: llama-cpp-python is not installed" in speed.format_summary(res)
+
+
+def test_timers_count_nested_time_once():
+    t = prof.Timers()
+    inner = t.wrap("inner", lambda: time.sleep(0.02))
+
+    def outer_body():
+        time.sleep(0.01)
+        inner()
+
+    t.wrap("outer", outer_body)()
+    assert t.seconds["inner"] >= 0.02
+    assert 0.01 <= t.seconds["outer"] < 0.02 + 0.01, t.seconds  # the inner call's 20 ms are not the outer's
+    assert t.calls == {"inner": 1, "outer": 1}
+
+
+def test_profile_engine_accounts_for_every_step_and_restores_the_engine(tiny_model):
+    model, tok = tiny_model
+    reqs = [Request(tok.encode("hello there, how are you"), 6) for _ in range(3)]
+    r = prof.profile_engine(model, tok, reqs, max_num_seqs=3, max_num_batched_tokens=64, attention="torch")
+    assert set(r["share"]) == set(prof.CATEGORIES)
+    assert sum(r["share"].values()) == pytest.approx(1.0, abs=1e-6)
+    for cat in ("linear layers", "attention", "LM head", "sampling", "scheduler", "runner", "detokenizing"):
+        assert r["seconds"][cat] > 0, f"{cat} was never timed: {r['calls']}"
+    assert r["calls"]["LM head"] == r["steps"]  # one head matmul per step, over the sampling rows only
+    assert r["calls"]["detokenizing"] > 0
+    # nothing of the profiler is left behind
+    assert "decode" not in vars(tok)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_markdown_table_has_every_category_and_batch():
+    runs = [{"batch": b, "share": {c: 1 / len(prof.CATEGORIES) for c in prof.CATEGORIES}, "step_seconds": 1.0, "steps": 10,
+             "output_tokens_per_s": 5.0} for b in (1, 16)]
+    md = prof.format_markdown({"runs": runs})
+    lines = md.splitlines()
+    assert lines[0] == "| share of step time | batch 1 | batch 16 |"
+    assert all(any(line.startswith(f"| {c} |") for line in lines) for c in prof.CATEGORIES)
+    assert "| ms per step | 100.0 | 100.0 |" in lines
+
+
+@pytest.mark.parametrize("argv, msg", [(["--batches", "1,x"], "comma-separated integers"), (["--batches", "0"], "at least one size"),
+                                       (["--threads", "0"], "--threads must be >= 1")])
+def test_profile_cli_refuses_bad_arguments(argv, msg, capsys):
+    with pytest.raises(SystemExit):
+        prof.main(argv)
+    assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, msg", [(["--num-requests", "0"], "--num-requests must be >= 1"),
+                                       (["--systems", "minipaged,vllm"], "unknown system(s) ['vllm']")])
+def test_speed_cli_refuses_bad_arguments(argv, msg, capsys):
+    with pytest.raises(SystemExit):
+        speed.main(argv)
+    assert msg in capsys.readouterr().err
+
+
+def test_a_failing_llama_cpp_run_is_reported_not_fatal(tmp_path):
+    """llama.cpp runs in a child process: its failure (here: no such file) becomes a 'skipped' entry."""
+    d = speed.run_batch1_llama_cpp(tmp_path / "missing.gguf", [Request([1, 2], 4)], threads=1, timeout_s=120)
+    assert "output_tokens_per_s" not in d and "exit status 1" in d["skipped"]
+    with pytest.raises(ValueError, match="one max_tokens"):
+        speed.run_batch1_llama_cpp(tmp_path / "missing.gguf", [Request([1], 4), Request([1], 5)], threads=1)
+
+
+def test_both_systems_run_the_same_requests_to_the_same_length(tiny_model):
+    from conftest import tiny_hf_model
+
+    model, tok = tiny_model
+    reqs = [Request(tok.encode("hello there"), 5), Request(tok.encode("a longer prompt than that one"), 5)]
+    mp = speed.run_minipaged(model, tok, reqs, max_num_seqs=2, max_num_batched_tokens=64, attention="torch")
+    assert mp["output_tokens"] == 10 and [len(t) for t in mp["token_ids"]] == [5, 5]
+    hf = speed.run_transformers(tiny_hf_model(), reqs, batch_size=2)
+    assert hf["output_tokens"] == 10 and hf["batch_size"] == 2 and hf["output_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("argv, msg", [(["bench", "speed", "--batch-size", "0"], "--batch-size must be >= 1"),
+                                       (["bench", "profile", "--batches", ""], "at least one size")])
+def test_the_cli_reaches_both_benches(argv, msg, capsys):
+    from minipaged.cli import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert msg in capsys.readouterr().err
