@@ -69,7 +69,7 @@ LAB_SETTINGS = {
 }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def lab(tmp_path_factory):
     """(base URL, folder the lab serves) for a JupyterLab started for this session."""
     base = tmp_path_factory.mktemp("lab")
@@ -120,7 +120,7 @@ def lab(tmp_path_factory):
         log.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser_context(tmp_path_factory):
     from playwright.sync_api import sync_playwright
 
@@ -134,6 +134,12 @@ def browser_context(tmp_path_factory):
             yield ctx
         finally:
             ctx.close()
+    # Playwright's sync API drives an asyncio loop from this thread; once it is stopped, make sure
+    # no loop is left marked as running here, or later tests' asyncio.run() would refuse to start.
+    import asyncio
+
+    asyncio.events._set_running_loop(None)
+    asyncio.set_event_loop(None)
 
 
 @pytest.fixture
