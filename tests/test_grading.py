@@ -265,8 +265,11 @@ def test_ctrl_c_stops_cleanly_and_keeps_what_is_done(tmp_path: Path) -> None:
     nbformat.write(nb, cls / "b_slow" / "01_kv_cache_math.ipynb")
     out = tmp_path / "out"
     out.mkdir()
+    # An earlier test in the same session may leave SIGINT ignored in this process, and a child
+    # inherits that: give the grader the default disposition a terminal would.
     proc = subprocess.Popen([sys.executable, "-m", "minipaged.checks.grading", str(cls), "--jobs", "1", "--no-sandbox"],
-                            cwd=out, env=_env(pkg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=out, env=_env(pkg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not ((out / "grades.jsonl").exists() and _rows(out / "grades.jsonl")):
         time.sleep(0.5)
