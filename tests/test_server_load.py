@@ -160,15 +160,15 @@ def test_a_client_that_reads_nothing_does_not_stall_the_engine(server):
     _wait_idle(server)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_overload_is_503_and_sigterm_lets_in_flight_requests_finish(long_tiny_dir):
     srv = ServerProcess(long_tiny_dir, env=ENV, max_num_seqs=1, num_blocks=128, max_waiting_requests=2, attention="torch",
                         drain_timeout=60)
     with srv:
         async def go():
             async with httpx.AsyncClient(timeout=120) as client:
-                long = [asyncio.ensure_future(_stream(client, srv.url, _body(i, max_tokens=600))) for i in range(3)]
-                deadline = time.monotonic() + 90
+                long = [asyncio.ensure_future(_stream(client, srv.url, _body(i, max_tokens=300))) for i in range(3)]
+                deadline = time.monotonic() + 240  # generous: a busy CI machine can be many times slower
                 while (await asyncio.to_thread(srv.metrics))["minipaged:num_requests_waiting"] < 2:  # one runs, two wait
                     assert time.monotonic() < deadline, (srv.metrics(), [t.done() and t.result() for t in long])
                     await asyncio.sleep(0.02)
