@@ -28,6 +28,10 @@ class EngineConfig:
     # True: on, refused for a scheduler that does not declare it; False: off
     enable_prefix_caching: bool | None = None
     record_trace: bool = True
+    # MKL-packed weights for full decode batches (max_num_seqs rows), fp32 on a CPU only.
+    # None: on when MKL packing is there and the packed copy (about the weights' size) takes at
+    # most a quarter of free memory; True: on, refused where it cannot be; False: off.
+    packed_gemm: bool | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -47,6 +51,8 @@ class EngineConfig:
         for name in ("enable_chunked_prefill", "record_trace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.packed_gemm is not None and not isinstance(self.packed_gemm, bool):
+            raise ValueError(f"packed_gemm must be True, False or None (on where it helps), got {self.packed_gemm!r}")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True, False or None (on when the scheduler supports it), "
                              f"got {self.enable_prefix_caching!r}")

@@ -33,7 +33,7 @@ from .attention import get_backend
 from .config import CONFIG_FIELDS, PARTS_FIELDS, EngineConfig, Parts, split_kwargs
 from .detokenizer import StopChecker
 from .interfaces import BlockPool, BlockTableProtocol, SchedulerProtocol
-from .kv_cache import KVCache, kv_bytes_per_token, plan_num_blocks
+from .kv_cache import KVCache, available_memory_bytes, kv_bytes_per_token, plan_num_blocks
 from .parts import check_part, declared_support, require_support
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams
@@ -133,6 +133,30 @@ def _is_chat(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(m, dict) and "role" in m for m in x)
 
 
+def _pack_weights(model: torch.nn.Module, config: EngineConfig) -> bool:
+    """Pack the weights for full decode batches when ``config.packed_gemm`` says so (see EngineConfig)."""
+    if config.packed_gemm is False or not hasattr(model, "pack_weights"):
+        if hasattr(model, "pack_weights"):
+            model.pack_weights(())
+        return False
+    from .model.llama import mkl_packing_available
+
+    p = next(model.parameters())
+    if config.max_num_seqs < 4 and not config.packed_gemm:
+        return False  # a batch of 1-3 rows is a matrix-vector product: packing does not pay
+    if p.device.type != "cpu" or p.dtype != torch.float32 or not mkl_packing_available():
+        if config.packed_gemm:
+            raise ValueError(f"packed_gemm=True needs fp32 weights on a CPU with MKL; these are {p.dtype} on {p.device}"
+                             f"{'' if mkl_packing_available() else ' and this PyTorch has no MKL packing'}: "
+                             "use packed_gemm=None (on where it can be) or False")
+        return False
+    weight_bytes = sum(m.weight.numel() * 4 for m in model.linears())
+    if config.packed_gemm is None and weight_bytes > available_memory_bytes(p.device) // 4:
+        return False
+    model.pack_weights([config.max_num_seqs])
+    return True
+
+
 class LLMEngine:
     """``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``.
 
@@ -199,6 +223,7 @@ class LLMEngine:
         self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
         self.backend = get_backend(parts.attention, self.device)
         self.model.bind_attention(self.backend)
+        self.packed_gemm = _pack_weights(self.model, config)
         self.runner = ModelRunner(self.device)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}  # unfinished requests (finished ones are pruned)

@@ -3,6 +3,8 @@
 - badges:  the lessons' "Open in Colab" links, from minipaged.colab.REPO_URL and notebooks/
 - timings: notebooks/timings.md, written by scripts/run_notebooks.py (`make notebooks`)
 - bench:   docs/figures/bench.json, written by `make bench` (minipaged bench --json ...)
+- speed:   docs/figures/speed.json, written by `minipaged bench speed --json docs/figures/speed.json`
+- profile: docs/figures/profile.json, written by `minipaged bench profile --json docs/figures/profile.json`
 
 Usage: python scripts/update_readme.py [--check]   (--check: exit 1 if the README is stale)
 """
@@ -136,7 +138,33 @@ FIGURES = [
 ]
 
 
-BLOCKS = {"badges": badges_block, "timings": timings_block, "bench": bench_block}
+def speed_block() -> str:
+    p = ROOT / "docs" / "figures" / "speed.json"
+    if not p.exists():
+        return "(run `minipaged bench speed --json docs/figures/speed.json` to measure)"
+    from minipaged.bench.speed import format_summary
+
+    res = json.loads(p.read_text())
+    m = res.get("machine", {})
+    head = (f"Command: `minipaged bench speed --json docs/figures/speed.json` on {m.get('cpus', '?')} CPU cores, "
+            f"torch {m.get('torch', '?')}, {m.get('threads', '?')} threads.")
+    return head + "\n\n```\n" + format_summary(res).strip() + "\n```"
+
+
+def profile_block() -> str:
+    p = ROOT / "docs" / "figures" / "profile.json"
+    if not p.exists():
+        return "(run `minipaged bench profile --json docs/figures/profile.json` to measure)"
+    from minipaged.bench.profile import format_markdown
+
+    res = json.loads(p.read_text())
+    head = (f"Command: `minipaged bench profile --max-tokens {res.get('max_tokens')} --json docs/figures/profile.json` "
+            f"({res.get('threads')} threads, attention {res.get('attention')!r}).")
+    return head + "\n\n" + format_markdown(res).strip()
+
+
+BLOCKS = {"badges": badges_block, "timings": timings_block, "bench": bench_block, "speed": speed_block,
+          "profile": profile_block}
 
 
 def render(text: str) -> str:

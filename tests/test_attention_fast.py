@@ -4,6 +4,8 @@ Every shape the reference tests use (GQA, block sizes 1/16/64, lengths on and of
 boundaries, decode + prefill + chunked prefill, no decode at all), both prefill strategies
 (one padded call, one call per sequence), decodes first (``num_decodes`` given) or scattered
 (``num_decodes=None``), and the batching contract itself: one SDPA call for all decodes.
+Every test runs twice: decodes through the C kernel that reads pages in place (cpu_kernels.py),
+and through the padded-gather SDPA path that replaces it where it cannot be built.
 """
 from __future__ import annotations
 
@@ -13,10 +15,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.attention import REFERENCE, TORCH, get_backend
-from minipaged.attention import torch_sdpa
+from minipaged.attention import cpu_kernels, torch_sdpa
 from minipaged.attention.reference import paged_attention as reference
 from minipaged.attention.torch_sdpa import paged_attention as fast
 from test_attention_reference import assert_attention_close, make_case, sdpa_oracle
+
+
+@pytest.fixture(autouse=True, params=["c_kernel", "sdpa"])
+def decode_path(request, monkeypatch):
+    if request.param == "c_kernel":
+        if not cpu_kernels.available():
+            pytest.skip(f"the CPU decode kernel cannot be built here: {cpu_kernels.why_not()}")
+    else:
+        monkeypatch.setattr(cpu_kernels, "applies", lambda *a: False)
+    return request.param
 
 
 def edge_lengths(bs: int) -> list[int]:
@@ -100,8 +112,46 @@ def _count_sdpa_calls(monkeypatch) -> list:
     return calls
 
 
-def test_all_decodes_in_one_attention_call(monkeypatch):
+def _count_kernel_calls(monkeypatch) -> list:
+    calls = []
+    real = cpu_kernels.paged_decode
+
+    def counting(q, *args, **kwargs):
+        calls.append(tuple(q.shape))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "paged_decode", counting)
+    return calls
+
+
+def test_all_decodes_in_one_kernel_call(monkeypatch, decode_path):
+    """With the C kernel, any decode batch (equal lengths or not, first or scattered) is one call."""
+    if decode_path != "c_kernel":
+        pytest.skip("the C kernel's contract")
+    calls = _count_kernel_calls(monkeypatch)
+    for ctx, q_lens, nd in (([35, 40, 64, 90, 110, 47, 100, 36] * 8, [1] * 64, 64),
+                            ([1, 3, 16, 17, 90, 200, 5, 64] * 5, [1] * 40, None),
+                            ([30, 1, 17, 17, 16, 5], [30, 1, 4, 1, 1, 5], None)):
+        calls.clear()
+        case = make_case(ctx, q_lens, 9, 3, 64, 16)
+        check(case, "decodes through the C kernel", num_decodes=nd)
+        assert calls == [(q_lens.count(1), 9, 64)], f"expected one kernel call for the decodes, got {calls}"
+
+
+def test_c_kernel_refuses_a_block_outside_the_cache(decode_path):
+    if decode_path != "c_kernel":
+        pytest.skip("the C kernel's contract")
+    case = make_case([20, 5], [1, 1], 4, 2, 32, 16)
+    tables = case.block_tables.clone()
+    tables[0, 1] = case.k_cache.shape[0] + 3
+    with pytest.raises(IndexError, match="outside the cache"):
+        cpu_kernels.paged_decode(case.q, case.k_cache, case.v_cache, tables, case.context_lens, 0.1)
+
+
+def test_all_decodes_in_one_attention_call(monkeypatch, decode_path):
     """The batching contract: a decode batch is one SDPA call, not a loop over sequences."""
+    if decode_path != "sdpa":
+        pytest.skip("the SDPA path's contract")
     calls = _count_sdpa_calls(monkeypatch)
     ctx = [35, 40, 64, 90, 110, 47, 100, 36] * 8  # a chat batch: lengths within 2x of each other
     case = make_case(ctx, [1] * len(ctx), 9, 3, 64, 16)
@@ -114,7 +164,9 @@ def test_all_decodes_in_one_attention_call(monkeypatch):
     assert len(calls) == 2, f"expected one call for the decodes and one for the padded prefills, got {calls}"
 
 
-def test_very_unequal_decodes_take_a_few_calls_at_most(monkeypatch):
+def test_very_unequal_decodes_take_a_few_calls_at_most(monkeypatch, decode_path):
+    if decode_path != "sdpa":
+        pytest.skip("the SDPA path's contract")
     calls = _count_sdpa_calls(monkeypatch)
     ctx = [1, 3, 16, 17, 90, 200, 5, 64] * 5
     case = make_case(ctx, [1] * len(ctx), 9, 3, 64, 16)

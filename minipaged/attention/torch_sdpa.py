@@ -3,7 +3,10 @@
 Owns speed on a CPU (and on a GPU without Triton). It never writes the cache and never decides
 who runs; reference.py remains the oracle it is tested against (tests/test_attention_fast.py).
 
-- Decode: ONE call per layer covers every decode sequence. Their blocks are gathered with one
+- Decode on a CPU in fp32: a C kernel (cpu_kernels.py) reads every sequence's pages in place,
+  all decode sequences in one call; it is built on first use and the path below replaces it
+  when there is no compiler (or ``MINIPAGED_CPU_KERNELS=0``).
+- Decode otherwise: ONE call per layer covers every decode sequence. Their blocks are gathered with one
   ``index_select`` through the block table into a padded (S, H_kv, C, D) view, and one
   ``scaled_dot_product_attention`` with a length mask attends all S queries at once. Only when
   contexts are so unequal that padding would more than double the work (``DECODE_PAD_LIMIT``)
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import cpu_kernels
 
 # Batch the prefills into one padded call while padded work <= this x the real work
 # (sum of q_len * context_len). Above it, one call per sequence wastes less.
@@ -59,7 +64,13 @@ def decode_attention(
     scale: float,
     max_context_len: int | None = None,
 ) -> torch.Tensor:
-    """All decode sequences in one SDPA call -> (S, H, D)."""
+    """All decode sequences in one call -> (S, H, D).
+
+    On a CPU in fp32 the C kernel (cpu_kernels.py) reads the pages in place; elsewhere, or when
+    it cannot be built, one SDPA call over a padded gather."""
+    if cpu_kernels.applies(q, k_cache, v_cache):
+        return cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                        max_context_len=max_context_len)
     S, H, D = q.shape
     block_size = k_cache.shape[1]
     c_max = int(context_lens.max()) if max_context_len is None else max_context_len
@@ -135,28 +146,20 @@ def decode_groups(context_lens: list[int], pad_limit: float | None = None, max_g
     return groups
 
 
-def paged_attention(
-    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
-    context_lens: torch.Tensor,  # (num_seqs,) int32
-    query_start_loc: torch.Tensor,  # (num_seqs + 1,) int32
-    scale: float,
-    out: torch.Tensor | None = None,
-    *,
-    num_decodes: int | None = None,
-) -> torch.Tensor:
-    """Same signature and result as reference.paged_attention (to fp32 rounding).
+# The last step's plan: every layer of a step gets the same metadata tensors, so the Python
+# lists below are made once per step, not once per layer. Reused only for the same tensors
+# with the same contents (a tensor changed in place is planned afresh).
+_last_plan: tuple | None = None
 
-    ``num_decodes``: the first ``num_decodes`` sequences have exactly one query each (the
-    runner orders them so); None finds every one-query sequence wherever it is.
-    """
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if out is None:
-        out = torch.empty_like(q)
+
+def _plan(query_start_loc: torch.Tensor, context_lens: torch.Tensor, num_decodes: int | None):
+    """(qsl, ctx, q_lens, num_decodes, decodes, rest) for one step's metadata, validated."""
+    global _last_plan
+    cached = _last_plan
+    if (cached is not None and cached[0] is query_start_loc and cached[1] is context_lens and cached[2] == num_decodes
+            and torch.equal(cached[3], query_start_loc) and torch.equal(cached[4], context_lens)):
+        return cached[5]
+    given = num_decodes
     num_seqs = context_lens.shape[0]
     qsl = query_start_loc.tolist()
     ctx = context_lens.tolist()
@@ -180,13 +183,47 @@ def paged_attention(
         else:
             decodes = ones
             rest = [s for s, n in enumerate(q_lens) if n != 1]
+    plan = (qsl, ctx, q_lens, num_decodes, decodes, rest)
+    _last_plan = (query_start_loc, context_lens, given, query_start_loc.clone(), context_lens.clone(), plan)
+    return plan
+
+
+def paged_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
+    context_lens: torch.Tensor,  # (num_seqs,) int32
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,) int32
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    num_decodes: int | None = None,
+) -> torch.Tensor:
+    """Same signature and result as reference.paged_attention (to fp32 rounding).
+
+    ``num_decodes``: the first ``num_decodes`` sequences have exactly one query each (the
+    runner orders them so); None finds every one-query sequence wherever it is.
+    """
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if out is None:
+        out = torch.empty_like(q)
+    qsl, ctx, q_lens, num_decodes, decodes, rest = _plan(query_start_loc, context_lens, num_decodes)
     if num_decodes:
         dec = list(range(num_decodes)) if decodes is None else decodes
-        groups = decode_groups([ctx[s] for s in dec])
+        in_place = cpu_kernels.applies(q, k_cache, v_cache)  # no padding, so never a reason to split
+        groups = [list(range(len(dec)))] if in_place else decode_groups([ctx[s] for s in dec])
         if len(groups) == 1 and decodes is None:  # the common case: one call, no row shuffling
-            o = decode_attention(q[:num_decodes], k_cache, v_cache, block_tables[:num_decodes],
-                                 context_lens[:num_decodes], scale, max(ctx[:num_decodes]))
-            out[:num_decodes] = o.to(out.dtype)
+            if in_place and out.dtype == torch.float32 and out.is_contiguous():
+                cpu_kernels.paged_decode(q[:num_decodes], k_cache, v_cache, block_tables[:num_decodes],
+                                         context_lens[:num_decodes], scale, out=out[:num_decodes],
+                                         max_context_len=max(ctx[:num_decodes]))
+            else:
+                o = decode_attention(q[:num_decodes], k_cache, v_cache, block_tables[:num_decodes],
+                                     context_lens[:num_decodes], scale, max(ctx[:num_decodes]))
+                out[:num_decodes] = o.to(out.dtype)
         else:
             for group in groups:
                 seqs = [dec[i] for i in group]

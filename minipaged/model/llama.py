@@ -16,9 +16,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import TORCH, AttentionBackend, AttentionMetadata
+from ..attention import TORCH, AttentionBackend, AttentionMetadata, cpu_kernels
 from ..kv_cache import KVCache
 from .config import LlamaConfig
+
+
+def mkl_packing_available() -> bool:
+    """PyTorch's MKL packed GEMM (what torch.compile's CPU freezing uses for fp32 linears)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """A tensor's in-place-change counter (None for an inference tensor, which has none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+class Linear(nn.Linear):
+    """An ``nn.Linear`` that can keep MKL-packed copies of its weight for given batch sizes.
+
+    MKL's GEMM repacks the weight into its blocked layout on every call; at decode-sized
+    batches (tens of rows) that repacking is a large part of the call. With a packed copy for a
+    batch of exactly M rows (``LlamaModel.pack_weights``), an (M, in) input skips it, at the same
+    result; any other batch runs the plain ``nn.Linear``. Hooks and state dicts see an ordinary
+    ``nn.Linear``: the packed copies are neither parameters nor buffers."""
+
+    packed: dict[int, torch.Tensor]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.__dict__.get("packed")
+        # a pack is only good for the very weight it was made from, unchanged since
+        if packed and x.dim() == 2 and x.dtype == torch.float32 and self.__dict__.get("packed_from") == (
+                id(self.weight), _version(self.weight)):
+            w = packed.get(x.shape[0])
+            if w is not None:
+                return torch.ops.mkl._mkl_linear(x, w, self.weight, self.bias, x.shape[0])
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +63,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, C) -> (N, C)
+        if x.dim() == 2 and cpu_kernels.fused_ops_apply(x):
+            return cpu_kernels.rmsnorm(x, self.weight, self.eps)  # one pass in C, the same maths
         # fp32 statistics even for a bf16 model: the mean of squares overflows/rounds badly otherwise.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -60,10 +97,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(
         self,
@@ -79,7 +116,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # (N, H, D)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cpu_kernels.fused_ops_apply(q) and cos.is_contiguous() and cos.dtype == q.dtype:
+            cpu_kernels.rope_(q, cos, sin), cpu_kernels.rope_(k, cos, sin)  # in place, one pass each
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # K is cached after RoPE, so a cached token never needs rotating again.
         backend.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
         o = backend.forward(q, k_cache, v_cache, attn, self.scale)  # (N, H, D): each new token over its whole context
@@ -89,12 +129,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, C) -> (N, C), via (N, intermediate)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        gate = self.gate_proj(x)
+        if cpu_kernels.fused_ops_apply(gate):
+            return self.down_proj(cpu_kernels.silu_mul(gate, self.up_proj(x)))  # SwiGLU, one pass in C
+        return self.down_proj(F.silu(gate) * self.up_proj(x))  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
@@ -106,8 +149,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, k_cache, v_cache, attn, backend) -> torch.Tensor:  # (N, C) -> (N, C)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, attn, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, attn, backend)
+        norm = self.post_attention_layernorm
+        if type(norm) is RMSNorm and x.dim() == 2 and cpu_kernels.fused_ops_apply(a):
+            x = x.clone()  # the residual stream; the caller's x is left as it was
+            h = cpu_kernels.rmsnorm(a, norm.weight, norm.eps, residual=x)  # x += a, then its norm: one pass
+            return x.add_(self.mlp(h))
+        x = x + a
+        return x + self.mlp(norm(x))
 
 
 class LlamaModel(nn.Module):
@@ -119,7 +168,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
@@ -159,6 +208,36 @@ class LlamaModel(nn.Module):
         """(M, C) -> (M, vocab) float32. Only for the rows that get sampled: the head is the widest matmul."""
         return self.lm_head(hidden).float()
 
+    def linears(self) -> list[Linear]:
+        """Every projection of every layer, and the LM head."""
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
+    @torch.no_grad()
+    def pack_weights(self, batch_sizes) -> int:
+        """Keep MKL-packed weights for batches of exactly these row counts (replacing any earlier
+        set); returns the bytes they take. Only for fp32 weights on a CPU with MKL; otherwise a
+        no-op that returns 0. ``pack_weights(())`` drops them. Results do not change."""
+        sizes = sorted({int(m) for m in batch_sizes if int(m) >= 1})
+        total = 0
+        w0 = self.embed_tokens.weight
+        usable = sizes and w0.device.type == "cpu" and w0.dtype == torch.float32 and mkl_packing_available()
+        for module in self.linears():
+            module.__dict__.pop("packed", None)
+            module.__dict__.pop("packed_from", None)
+            if not usable:
+                continue
+            packs = {m: torch.ops.mkl._mkl_reorder_linear_weight(module.weight, m) for m in sizes}
+            module.__dict__["packed"] = packs
+            module.__dict__["packed_weight"] = module.weight  # keeps the id in packed_from meaningful
+            module.__dict__["packed_from"] = (id(module.weight), _version(module.weight))
+            total += sum(module.weight.numel() * 4 for _ in packs)  # MKL's packed layout is about the weight's size
+        return total
+
+    def packed_batch_sizes(self) -> list[int]:
+        """The batch sizes ``pack_weights`` last packed for (empty when none)."""
+        packed = self.lm_head.__dict__.get("packed") or {}
+        return sorted(packed)
+
     def new_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None
     ) -> KVCache:
@@ -176,6 +255,7 @@ class LlamaModel(nn.Module):
         Every weight must be there with the right shape (a tied model needs no ``lm_head.weight``).
         A model built on the meta device gets the given tensors themselves, not copies.
         """
+        self.pack_weights(())  # packed copies of the old weights would be stale
         own = {}
         for name, tensor in state_dict.items():
             if name.endswith("rotary_emb.inv_freq"):

@@ -1,0 +1,186 @@
+/* Paged decode attention for the CPU: one query per sequence, read straight from the pages.
+ *
+ * The PyTorch path gathers every sequence's blocks into a padded copy, then runs SDPA over
+ * that copy: the K/V bytes cross memory twice and the padding is computed. This kernel walks
+ * each sequence's block table and reads each cached K and V row once, where it lies.
+ *
+ * Shapes (all fp32, contiguous unless a stride is given):
+ *   q           (S, H, D)             one query per sequence
+ *   k_cache     (num_blocks, BS, H_kv, D)   this layer's pages; v_cache the same
+ *   block_tables(S, bt_stride) int32  the first ceil(ctx / BS) entries of a row are used
+ *   context_lens(S,) int32            tokens each sequence attends to, its new one included
+ *   out         (S, H, D)
+ * Grouped-query attention: query head h reads KV head h / (H / H_kv).
+ *
+ * Work item = one sequence. A cached position's K (or V) row holds all KV heads side by side,
+ * so it is read once, contiguously, for all H query heads. Two passes per sequence: scores
+ * (q . k * scale) for every position, a max-subtracted softmax per head, then the weighted sum
+ * of V rows. OpenMP splits the sequences over the cores. Every block id is range-checked first.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int minipaged_decode_abi(void) { return 2; }
+
+/* e^x for float x, written so the compiler vectorizes it (libm's expf is a scalar call).
+ * Cephes' expf: n = round(x log2 e), r = x - n ln 2 (ln 2 split in two for precision),
+ * e^r by a degree-7 polynomial, times 2^n built in the exponent bits. Relative error about
+ * 2e-7 (tests/test_cpu_kernels.py checks it). x is clamped to [-87.3, 88.7]: no overflow to
+ * inf, and e^x of a very negative x is about 1e-38 instead of 0. */
+static inline float fast_expf(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.7f ? 88.7f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    const float z = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * z + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+void minipaged_exp_f32(const float *x, float *out, int64_t n) { /* for the accuracy test */
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = fast_expf(x[i]);
+}
+
+int minipaged_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                               const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
+                               float *out, int64_t S, int64_t H, int64_t H_kv, int64_t D, int64_t BS,
+                               int64_t num_blocks, float scale) {
+    if (H_kv <= 0 || H % H_kv != 0 || D <= 0 || BS <= 0) return -1;
+    const int64_t G = H / H_kv;
+    const int64_t row = H_kv * D;      /* floats between two positions of one block */
+    const int64_t block = BS * row;    /* floats in one block */
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 2) reduction(| : bad)
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t L = context_lens[s];
+        float *o = out + s * H * D;
+        memset(o, 0, sizeof(float) * H * D);
+        if (L <= 0) continue;
+        float *scores = (float *)malloc(sizeof(float) * H * L); /* scores[h * L + t] */
+        if (!scores) {
+            bad |= 2;
+            continue;
+        }
+        const float *qs = q + s * H * D;
+        const int32_t *table = block_tables + s * bt_stride;
+        int out_of_range = 0;
+        for (int64_t i = 0; i < (L + BS - 1) / BS; i++)
+            if (table[i] < 0 || table[i] >= num_blocks) out_of_range = 1;
+        if (out_of_range) {
+            bad |= 4;
+            free(scores);
+            continue;
+        }
+        /* pass 1: scores; each position's row (all KV heads) is contiguous, read once */
+        for (int64_t t = 0; t < L; t++) {
+            const float *krow = k_cache + (int64_t)table[t / BS] * block + (t % BS) * row;
+            for (int64_t h = 0; h < H; h++) {
+                const float *k = krow + (h / G) * D, *qh = qs + h * D;
+                float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t d = 0; d < D; d++) acc += qh[d] * k[d];
+                scores[h * L + t] = acc * scale;
+            }
+        }
+        /* softmax per query head, max-subtracted */
+        for (int64_t h = 0; h < H; h++) {
+            float *sh = scores + h * L;
+            float m = sh[0];
+            for (int64_t t = 1; t < L; t++) m = sh[t] > m ? sh[t] : m;
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < L; t++) {
+                sh[t] = fast_expf(sh[t] - m);
+                sum += sh[t];
+            }
+            const float inv = 1.f / sum;
+            for (int64_t t = 0; t < L; t++) sh[t] *= inv;
+        }
+        /* pass 2: weighted sum of V rows */
+        for (int64_t t = 0; t < L; t++) {
+            const float *vrow = v_cache + (int64_t)table[t / BS] * block + (t % BS) * row;
+            for (int64_t h = 0; h < H; h++) {
+                const float p = scores[h * L + t], *v = vrow + (h / G) * D;
+                float *oh = o + h * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) oh[d] += p * v[d];
+            }
+        }
+        free(scores);
+    }
+    return bad ? -bad : 0;
+}
+
+/* ---- fused elementwise ops of a Llama layer (fp32, contiguous rows) ----------------------- */
+
+/* out[n] = w * x[n] / sqrt(mean(x[n]^2) + eps); with residual: residual[n] += x[n] first and the
+ * norm is of the sum (the residual stream is updated in place, as the layer needs it). */
+void minipaged_rmsnorm_f32(const float *x, float *residual, const float *w, float *out, int64_t N, int64_t C,
+                           float eps) {
+#pragma omp parallel for schedule(static) if (N * C > (1 << 18))
+    for (int64_t n = 0; n < N; n++) {
+        const float *xn = x + n * C;
+        float *on = out + n * C;
+        float ss = 0.f;
+        if (residual) {
+            float *rn = residual + n * C;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t c = 0; c < C; c++) {
+                const float v = rn[c] + xn[c];
+                rn[c] = v;
+                ss += v * v;
+            }
+            xn = rn;
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int64_t c = 0; c < C; c++) ss += xn[c] * xn[c];
+        }
+        const float r = 1.f / sqrtf(ss / (float)C + eps);
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) on[c] = w[c] * (xn[c] * r);
+    }
+}
+
+/* out (N, I) = silu(gate) * up: SwiGLU's middle. out may be gate itself. */
+void minipaged_silu_mul_f32(const float *gate, const float *up, float *out, int64_t N, int64_t I) {
+#pragma omp parallel for schedule(static) if (N * I > (1 << 14))
+    for (int64_t n = 0; n < N; n++) {
+        const float *g = gate + n * I, *u = up + n * I;
+        float *o = out + n * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + fast_expf(-g[i])) * u[i];
+    }
+}
+
+/* RoPE in place, rotate_half layout: x (N, heads, D) with row stride x_stride (floats between
+ * tokens); dims i and i + D/2 of a head turn together by the token's angle. cos, sin: (N, D),
+ * each token's row already looked up by its position. */
+void minipaged_rope_f32(float *x, int64_t x_stride, int64_t N, int64_t heads, int64_t D, const float *cos_t,
+                        const float *sin_t) {
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) if (N * heads * D > (1 << 18))
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cos_t + n * D, *s = sin_t + n * D;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + n * x_stride + h * D;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}

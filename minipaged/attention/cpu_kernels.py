@@ -1,0 +1,236 @@
+"""Small C kernels for the CPU, built on first use with the system's C compiler.
+
+Owns building, caching and calling ``cpu_kernels.c``: paged decode attention (torch_sdpa.py
+decides when to use it), and a Llama layer's fused elementwise ops (RMSNorm with the residual
+add, SiLU(gate) * up, RoPE in place), which model/llama.py uses on fp32 CPU tensors.
+Why C: on a CPU, PyTorch can only attend pages by first gathering them into a padded copy
+(``index_select``), then running SDPA over the copy. That moves every cached K/V byte twice and
+computes the padding. The kernel reads each cached row once, where it lies, through the block table.
+
+- Built with ``cc -O3 -march=native -fno-trapping-math -fopenmp`` (no PyTorch headers, so it compiles in about a
+  second), loaded with ``ctypes``. The call releases the GIL.
+- Cached by a hash of the source, the flags and this CPU's feature flags, under
+  ``$MINIPAGED_CACHE_DIR``, else ``$XDG_CACHE_HOME/minipaged``, else ``~/.cache/minipaged``
+  (a temporary folder when none of those is writable).
+- No compiler, a failed build, or ``MINIPAGED_CPU_KERNELS=0`` in the environment: ``available()``
+  is False, ``why_not()`` says why, and the PyTorch path runs instead. Results agree to fp32 rounding.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_ENV_SWITCH = "MINIPAGED_CPU_KERNELS"
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None  # why the kernel is not available (None: not tried yet, or available)
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    for candidate in (os.environ.get("MINIPAGED_CACHE_DIR"),
+                      os.environ.get("XDG_CACHE_HOME") and os.path.join(os.environ["XDG_CACHE_HOME"], "minipaged"),
+                      os.path.expanduser("~/.cache/minipaged")):
+        if not candidate:
+            continue
+        path = Path(candidate)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    path = Path(tempfile.gettempdir()) / f"minipaged-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# -fno-trapping-math (no floating-point exception flags are read) lets floorf inline, so the
+# exp and softmax loops vectorize.
+_FLAG_SETS = (
+    ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"],
+    ["-O3", "-fno-trapping-math", "-fopenmp"],
+    ["-O3", "-march=native", "-fno-trapping-math"],  # no OpenMP (e.g. Apple clang): one core
+    ["-O3"],
+)
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (install gcc, or set CC)")
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in _FLAG_SETS:
+        key = hashlib.sha256(source + " ".join([compiler] + flags).encode() + _cpu_flags().encode()
+                             + torch.__version__.encode()).hexdigest()[:16]
+        target = _cache_dir() / f"cpu_kernels-{key}.so"
+        if not target.exists():
+            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            cmd = [compiler, *flags, "-fPIC", "-shared", str(SOURCE), "-o", str(tmp), "-lm"]
+            try:
+                run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                errors.append(f"{' '.join(flags)}: {e}")
+                continue
+            if run.returncode != 0:
+                errors.append(f"{' '.join(flags)}: {run.stderr.strip().splitlines()[-1:] or run.returncode}")
+                tmp.unlink(missing_ok=True)
+                continue
+            os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
+        try:
+            lib = ctypes.CDLL(str(target))
+            if lib.minipaged_decode_abi() != 2:
+                raise OSError("wrong ABI version")
+        except OSError as e:
+            errors.append(f"{' '.join(flags)}: could not load {target.name}: {e}")
+            continue
+        fn = lib.minipaged_paged_decode_f32
+        i64, p = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+        fn.restype = ctypes.c_int
+        f32 = ctypes.c_float
+        lib.minipaged_rmsnorm_f32.argtypes = [p, p, p, p, i64, i64, f32]
+        lib.minipaged_rmsnorm_f32.restype = None
+        lib.minipaged_silu_mul_f32.argtypes = [p, p, p, i64, i64]
+        lib.minipaged_silu_mul_f32.restype = None
+        lib.minipaged_rope_f32.argtypes = [p, i64, i64, i64, i64, p, p]
+        lib.minipaged_rope_f32.restype = None
+        lib.minipaged_exp_f32.argtypes = [p, p, i64]
+        lib.minipaged_exp_f32.restype = None
+        return lib
+    raise RuntimeError("the C compiler failed: " + "; ".join(errors))
+
+
+def available() -> bool:
+    """True when the kernel is built and loaded (builds it on the first call)."""
+    global _lib, _reason, _tried
+    if os.environ.get(_ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        _reason = f"{_ENV_SWITCH}=0 is set"
+        return False
+    if _tried:
+        return _lib is not None
+    with _lock:
+        if not _tried:
+            try:
+                _lib, _reason = _build(), None
+            except Exception as e:  # any failure means: use the PyTorch path
+                _lib, _reason = None, str(e)
+            _tried = True
+    return _lib is not None
+
+
+def why_not() -> str | None:
+    """Why the kernel is not in use, or None when it is."""
+    return None if available() else _reason
+
+
+def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The kernel handles fp32 CPU tensors laid out as the cache makes them."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and available())
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                 max_context_len: int | None = None) -> torch.Tensor:
+    """One query per sequence over its paged context: q (S, H, D) -> (S, H, D), like decode_attention."""
+    if not available():
+        raise RuntimeError(f"the CPU decode kernel is not available: {why_not()}")
+    S, H, D = q.shape
+    num_blocks, block_size, h_kv, d = k_cache.shape
+    if d != D or H % h_kv:
+        raise ValueError(f"q is (S, {H}, {D}) but the cache is (blocks, block_size, {h_kv}, {d})")
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32)
+    if tables.stride(-1) != 1:
+        tables = tables.contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    longest = max_context_len if max_context_len is not None else (int(lens.max()) if S else 0)
+    if longest > tables.shape[1] * block_size:
+        raise ValueError(f"a context of {longest} tokens is longer than its block table holds "
+                         f"({tables.shape[1]} blocks of {block_size})")
+    result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.empty_like(q)
+    rc = _lib.minipaged_paged_decode_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+        lens.data_ptr(), result.data_ptr(), S, H, h_kv, D, block_size, num_blocks, float(scale))
+    if rc != 0:
+        raise IndexError("a block table names a block outside the cache" if -rc & 4 else f"CPU decode kernel failed ({rc})")
+    if out is not None and result is not out:
+        out.copy_(result)
+        return out
+    return result
+
+
+def fused_ops_apply(x: torch.Tensor) -> bool:
+    """The fused elementwise ops handle contiguous fp32 CPU tensors without autograd."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+            and not (x.requires_grad and torch.is_grad_enabled()) and available())
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, C) -> weight * x / rms(x). With ``residual``: residual += x in place first, and the
+    norm is of the updated residual (returned: the normed tensor; the residual holds the sum)."""
+    N, C = x.shape
+    if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() != C:
+        raise ValueError(f"RMSNorm weight must be {C} contiguous fp32 values")
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous() or residual.dtype != torch.float32):
+        raise ValueError("the residual must be a contiguous fp32 tensor shaped like x")
+    out = torch.empty_like(x)
+    _lib.minipaged_rmsnorm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                               out.data_ptr(), N, C, float(eps))
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, both (N, I) contiguous fp32, into gate's memory (returned)."""
+    if gate.shape != up.shape or not (gate.is_contiguous() and up.is_contiguous()):
+        raise ValueError("gate and up must be contiguous and the same shape")
+    N, I = gate.shape
+    _lib.minipaged_silu_mul_f32(gate.data_ptr(), up.data_ptr(), gate.data_ptr(), N, I)
+    return gate
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' own e^x (for testing its accuracy): contiguous fp32 in, same shape out."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _lib.minipaged_exp_f32(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (N, heads, D) in place, rotate_half layout; cos, sin: (N, D), each token's row.
+    x's last two dims must be contiguous (a view into a wider row is fine)."""
+    N, heads, D = x.shape
+    if x.stride(2) != 1 or x.stride(1) != D or D % 2:
+        raise ValueError("rope_ needs x's heads contiguous, with an even head_dim")
+    if cos.shape != (N, D) or sin.shape != (N, D) or not (cos.is_contiguous() and sin.is_contiguous()) \
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"cos and sin must be contiguous fp32 ({N}, {D}) rows")
+    _lib.minipaged_rope_f32(x.data_ptr(), x.stride(0), N, heads, D, cos.data_ptr(), sin.data_ptr())
+    return x
+
+
+__all__ = ["available", "why_not", "applies", "paged_decode", "fused_ops_apply", "rmsnorm", "silu_mul", "rope_"]
