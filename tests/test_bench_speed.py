@@ -60,6 +60,12 @@ def test_a_skipped_system_gives_no_ratio_and_no_verdict():
         res["systems"][name].setdefault("output_tokens", 1)
         res["systems"][name].setdefault("seconds", 1.0)
     assert "llama_cpp_batch1   skipped: llama-cpp-python is not installed" in speed.format_summary(res)
+    assert "memory-bound" not in speed.format_summary(res)
+    res["batch1_bound"] = {"read_gbps": 20.0, "fp32_weight_bytes": 500e6, "fp32_tokens_per_s": 40.0,
+                           "gguf_bytes": 100e6, "gguf_tokens_per_s": 200.0}
+    line = speed.format_summary(res).splitlines()[-1]
+    assert line == ("batch 1 is memory-bound: 20.0 GB/s read / 500 MB of fp32 weights = at most 40 tok/s for minipaged; "
+                    "llama.cpp reads 100 MB of quantized weights: at most 200 tok/s"), line
 
 
 def test_timers_count_nested_time_once():

@@ -86,6 +86,15 @@ int minipaged_paged_decode_f32(const float *q, const float *k_cache, const float
         /* pass 1: scores; each position's row (all KV heads) is contiguous, read once */
         for (int64_t t = 0; t < L; t++) {
             const float *krow = k_cache + (int64_t)table[t / BS] * block + (t % BS) * row;
+            /* Pages are scattered, so the hardware prefetcher stalls at every block boundary: ask
+             * for the K row two blocks ahead, and for this position's V row (pass 2 then finds the
+             * sequence's V, a few tens of KB, in cache). */
+            if (t + 2 * BS < L) {
+                const float *ahead = k_cache + (int64_t)table[(t + 2 * BS) / BS] * block + (t % BS) * row;
+                for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(ahead + c);
+            }
+            const float *vnow = v_cache + (int64_t)table[t / BS] * block + (t % BS) * row;
+            for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(vnow + c);
             for (int64_t h = 0; h < H; h++) {
                 const float *k = krow + (h / G) * D, *qh = qs + h * D;
                 float acc = 0.f;

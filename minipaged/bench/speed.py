@@ -245,6 +245,19 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
                 "attention FLOPs not counted; GEMM rate = best fp32 1024^3 matmul, measured before and after the systems",
     }
     if "batch1" in systems:
+        from .hardware import bandwidth
+
+        # One stream reads every weight once per token: at batch 1 the bound is memory, not GEMM.
+        read = bandwidth()["read_GBps"] * 1e9
+        w = model_weights(model)
+        fp32_bytes = 4 * (w["body"] + w["lm_head"])
+        gguf_bytes = default_model_path().stat().st_size
+        res["batch1_bound"] = {
+            "read_gbps": read / 1e9, "fp32_weight_bytes": fp32_bytes, "fp32_tokens_per_s": read / fp32_bytes,
+            "gguf_bytes": gguf_bytes, "gguf_tokens_per_s": read / gguf_bytes,
+            "rule": "one token at batch 1 reads every weight once: tokens/s <= read bandwidth / weight bytes "
+                    "(fp32 copies for minipaged; the GGUF file's quantized blocks for llama.cpp)",
+        }
         reqs = wl.requests[:batch1_requests]
         S["minipaged_batch1"] = run_batch1_minipaged(model, tok, reqs, attention=attention)
         _say("minipaged_batch1", S["minipaged_batch1"])
@@ -310,6 +323,11 @@ def format_summary(res: dict) -> str:
         lines.append(f"minipaged at {r['fraction_of_ceiling'] * 100:.0f}% of the fp32 GEMM ceiling (goal {GOALS['fraction_of_ceiling'] * 100:.0f}%)")
     if "llama_cpp_batch1_slowdown" in r:
         lines.append(f"batch 1: llama.cpp is {r['llama_cpp_batch1_slowdown']:.2f}x minipaged (goal at most {GOALS['llama_cpp_batch1_slowdown_max']}x)")
+    b = res.get("batch1_bound")
+    if b:
+        lines.append(f"batch 1 is memory-bound: {b['read_gbps']:.1f} GB/s read / {b['fp32_weight_bytes'] / 1e6:.0f} MB of fp32 weights "
+                     f"= at most {b['fp32_tokens_per_s']:.0f} tok/s for minipaged; llama.cpp reads {b['gguf_bytes'] / 1e6:.0f} MB "
+                     f"of quantized weights: at most {b['gguf_tokens_per_s']:.0f} tok/s")
     return "\n".join(lines)
 
 
