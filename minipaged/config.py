@@ -29,7 +29,8 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None
     record_trace: bool = True
     # MKL-packed weights for full decode batches (max_num_seqs rows), fp32 on a CPU only.
-    # None: on when MKL packing is there and the packed copy (about the weights' size) takes at
+    # None: on when MKL packing is there, no address-space limit is set (MKL reserves about 4x
+    # the weights' bytes of address space, and touches about 1x) and the packed copy takes at
     # most a quarter of free memory; True: on, refused where it cannot be; False: off.
     packed_gemm: bool | None = None
 

@@ -99,8 +99,9 @@ def _snapshot(source: Any, step: int | None) -> dict:
             if seq.block_table is None:
                 continue
             tables[seq.seq_id] = (tuple(seq.block_table.blocks), seq.block_table.num_tokens)
-            for b in seq.block_table.blocks:
-                owners[b] = seq.seq_id if owners[b] is None else owners[b]
+            for b in seq.block_table.blocks:  # a block several sequences share: a tuple of them, as in a Trace
+                o = owners[b]
+                owners[b] = seq.seq_id if o is None else (o + (seq.seq_id,) if isinstance(o, tuple) else (o, seq.seq_id))
         return {"owners": owners, "tables": tables, "slots": {sid: i for i, sid in enumerate(tables)},
                 "step": None, "waiting": len(source.waiting), "block_size": alloc.block_size}
     if isinstance(source, Mapping) and "owners" in source:  # StepRecord.to_dict()

@@ -3,6 +3,8 @@
 - badges:  the lessons' "Open in Colab" links, from minipaged.colab.REPO_URL and notebooks/
 - timings: notebooks/timings.md, written by scripts/run_notebooks.py (`make notebooks`)
 - bench:   docs/figures/bench.json, written by `make bench` (minipaged bench --json ...)
+- bench_quick: docs/figures/bench_quick.json, written by
+           `minipaged bench --quick --no-progress --json docs/figures/bench_quick.json`
 - speed:   docs/figures/speed.json, written by `minipaged bench speed --json docs/figures/speed.json`
 - profile: docs/figures/profile.json, written by `minipaged bench profile --json docs/figures/profile.json`
 
@@ -56,10 +58,10 @@ def _x(v: float | None) -> str:
     return f"{v:.2f}x" if v is not None else "-"
 
 
-def bench_block() -> str:
-    p = ROOT / "docs" / "figures" / "bench.json"
+def bench_block(name: str = "bench.json", pictures: bool = True) -> str:
+    p = ROOT / "docs" / "figures" / name
     if not p.exists():
-        return "(run `make bench` to measure)"
+        return "(run `make bench` to measure)" if name == "bench.json" else f"(no docs/figures/{name} yet)"
     r = json.loads(p.read_text())
     from minipaged.bench.serving import format_attribution, format_online, format_table
 
@@ -120,10 +122,10 @@ def bench_block() -> str:
     sp = r.get("shared_prefix")
     if sp and sp.get("measured"):
         lines += ["", "Shared system prompt, prefix caching on vs off:", "", "```", json.dumps(sp, indent=1), "```"]
-    pictures = [(name, alt) for name, alt in FIGURES if (ROOT / "docs" / "figures" / name).exists()]
-    if pictures:
+    shown = [(png, alt) for png, alt in FIGURES if (ROOT / "docs" / "figures" / png).exists()] if pictures else []
+    if shown:
         lines.append("")
-        lines += [f"![{alt}](docs/figures/{name})" for name, alt in pictures]
+        lines += [f"![{alt}](docs/figures/{png})" for png, alt in shown]
     return "\n".join(lines)
 
 
@@ -163,7 +165,12 @@ def profile_block() -> str:
     return head + "\n\n" + format_markdown(res).strip()
 
 
-BLOCKS = {"badges": badges_block, "timings": timings_block, "bench": bench_block, "speed": speed_block,
+def bench_quick_block() -> str:
+    return bench_block("bench_quick.json", pictures=False)
+
+
+BLOCKS = {"badges": badges_block, "timings": timings_block, "bench": bench_block, "bench_quick": bench_quick_block,
+          "speed": speed_block,
           "profile": profile_block}
 
 

@@ -93,6 +93,24 @@ def test_page_table_from_other_sources(runs, tmp_path):
     _png(viz.plot_page_table(big), tmp_path / "big.png")  # no labels, no tables: still draws
 
 
+def test_a_live_scheduler_shows_shared_blocks_as_shared(tmp_path):
+    """Copy-on-write forks (n > 1) share their prompt's blocks: a live scheduler's snapshot says so."""
+    from minipaged.parts import fork_table
+
+    alloc = BlockAllocator(12, block_size=4)
+    sched = Scheduler(alloc)
+    sched.add_request(Sequence("a", list(range(9)), max_tokens=4))
+    sched.schedule()
+    (parent,) = sched.running
+    child = Sequence("a#1", list(range(9)), max_tokens=4)
+    child.block_table = fork_table(parent.block_table)
+    sched.running.append(child)
+    snap = viz._snapshot(sched, None)
+    shared = [o for o in snap["owners"] if isinstance(o, tuple)]
+    assert shared == [("a", "a#1")] * 3, snap["owners"]
+    _png(viz.plot_page_table(sched), tmp_path / "shared.png")
+
+
 def test_memory_bar(tmp_path):
     b = mem.memory_breakdown(24 * mem.GiB, "Llama-2-7B")
     c = mem.concurrency(b.kv_budget_bytes, "Llama-2-7B", 300, 2048)
