@@ -93,6 +93,13 @@ def _info(args: argparse.Namespace) -> int:
     else:
         print("triton: not installed (fine on macOS: attention='torch' is used)")
     print(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '(unset)')}")
+    from .attention import cpu_kernels
+    from .model.llama import mkl_packing_available
+
+    why = cpu_kernels.why_not()
+    print("CPU kernels (decode attention, fused ops): " + ("built, in use for fp32 on the CPU" if why is None else
+          f"not in use, the PyTorch path runs instead: {why}"))
+    print("MKL packed weights (packed_gemm): " + ("available" if mkl_packing_available() else "not in this PyTorch"))
     try:
         from .model import default_model_path
 

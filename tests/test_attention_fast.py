@@ -124,10 +124,9 @@ def _count_kernel_calls(monkeypatch) -> list:
     return calls
 
 
+@pytest.mark.parametrize("decode_path", ["c_kernel"], indirect=True)
 def test_all_decodes_in_one_kernel_call(monkeypatch, decode_path):
     """With the C kernel, any decode batch (equal lengths or not, first or scattered) is one call."""
-    if decode_path != "c_kernel":
-        pytest.skip("the C kernel's contract")
     calls = _count_kernel_calls(monkeypatch)
     for ctx, q_lens, nd in (([35, 40, 64, 90, 110, 47, 100, 36] * 8, [1] * 64, 64),
                             ([1, 3, 16, 17, 90, 200, 5, 64] * 5, [1] * 40, None),
@@ -138,9 +137,8 @@ def test_all_decodes_in_one_kernel_call(monkeypatch, decode_path):
         assert calls == [(q_lens.count(1), 9, 64)], f"expected one kernel call for the decodes, got {calls}"
 
 
+@pytest.mark.parametrize("decode_path", ["c_kernel"], indirect=True)
 def test_c_kernel_refuses_a_block_outside_the_cache(decode_path):
-    if decode_path != "c_kernel":
-        pytest.skip("the C kernel's contract")
     case = make_case([20, 5], [1, 1], 4, 2, 32, 16)
     tables = case.block_tables.clone()
     tables[0, 1] = case.k_cache.shape[0] + 3
@@ -148,10 +146,9 @@ def test_c_kernel_refuses_a_block_outside_the_cache(decode_path):
         cpu_kernels.paged_decode(case.q, case.k_cache, case.v_cache, tables, case.context_lens, 0.1)
 
 
+@pytest.mark.parametrize("decode_path", ["sdpa"], indirect=True)
 def test_all_decodes_in_one_attention_call(monkeypatch, decode_path):
     """The batching contract: a decode batch is one SDPA call, not a loop over sequences."""
-    if decode_path != "sdpa":
-        pytest.skip("the SDPA path's contract")
     calls = _count_sdpa_calls(monkeypatch)
     ctx = [35, 40, 64, 90, 110, 47, 100, 36] * 8  # a chat batch: lengths within 2x of each other
     case = make_case(ctx, [1] * len(ctx), 9, 3, 64, 16)
@@ -164,9 +161,8 @@ def test_all_decodes_in_one_attention_call(monkeypatch, decode_path):
     assert len(calls) == 2, f"expected one call for the decodes and one for the padded prefills, got {calls}"
 
 
+@pytest.mark.parametrize("decode_path", ["sdpa"], indirect=True)
 def test_very_unequal_decodes_take_a_few_calls_at_most(monkeypatch, decode_path):
-    if decode_path != "sdpa":
-        pytest.skip("the SDPA path's contract")
     calls = _count_sdpa_calls(monkeypatch)
     ctx = [1, 3, 16, 17, 90, 200, 5, 64] * 5
     case = make_case(ctx, [1] * len(ctx), 9, 3, 64, 16)

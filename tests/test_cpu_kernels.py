@@ -84,6 +84,11 @@ def test_bad_shapes_are_refused_with_a_reason():
     q, kc = torch.randn(2, 4, 32), torch.randn(4, 16, 2, 32)
     with pytest.raises(ValueError, match="longer than its block table"):
         cpu_kernels.paged_decode(q, kc, kc, torch.zeros(2, 1, dtype=torch.int32), torch.tensor([17, 3]), 0.1)
+    # a wrong max_context_len cannot make the kernel read past a table row: it checks each length itself
+    with pytest.raises(ValueError, match="longer than its block table"):
+        cpu_kernels.paged_decode(q, kc, kc, torch.zeros(2, 1, dtype=torch.int32), torch.tensor([3, 40]), 0.1, max_context_len=3)
+    with pytest.raises(ValueError, match="2 queries but 1 block-table rows"):
+        cpu_kernels.paged_decode(q, kc, kc, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3, 4]), 0.1)
 
 
 def _tiny(tie=True, bias=False) -> LlamaModel:
@@ -206,3 +211,10 @@ def test_auto_packing_stays_off_under_an_address_space_limit(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0 and p.stdout.strip() == "OK", p.stderr[-2000:]
+
+
+def test_minipaged_info_says_whether_the_cpu_kernels_are_in_use(tmp_path):
+    env = {**os.environ, "MINIPAGED_CPU_KERNELS": "0"}
+    p = subprocess.run([sys.executable, "-m", "minipaged", "info"], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "CPU kernels (decode attention, fused ops): not in use, the PyTorch path runs instead: MINIPAGED_CPU_KERNELS=0 is set" in p.stdout

@@ -7,7 +7,8 @@
  * Shapes (all fp32, contiguous unless a stride is given):
  *   q           (S, H, D)             one query per sequence
  *   k_cache     (num_blocks, BS, H_kv, D)   this layer's pages; v_cache the same
- *   block_tables(S, bt_stride) int32  the first ceil(ctx / BS) entries of a row are used
+ *   block_tables(S, bt_stride) int32  the first ceil(ctx / BS) entries of a row are used (at most
+ *                                     max_blocks; every id is checked against num_blocks)
  *   context_lens(S,) int32            tokens each sequence attends to, its new one included
  *   out         (S, H, D)
  * Grouped-query attention: query head h reads KV head h / (H / H_kv).
@@ -22,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int minipaged_decode_abi(void) { return 2; }
+int minipaged_decode_abi(void) { return 3; }
 
 /* e^x for float x, written so the compiler vectorizes it (libm's expf is a scalar call).
  * Cephes' expf: n = round(x log2 e), r = x - n ln 2 (ln 2 split in two for precision),
@@ -56,7 +57,7 @@ void minipaged_exp_f32(const float *x, float *out, int64_t n) { /* for the accur
 int minipaged_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                                const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                                float *out, int64_t S, int64_t H, int64_t H_kv, int64_t D, int64_t BS,
-                               int64_t num_blocks, float scale) {
+                               int64_t num_blocks, int64_t max_blocks, float scale) {
     if (H_kv <= 0 || H % H_kv != 0 || D <= 0 || BS <= 0) return -1;
     const int64_t G = H / H_kv;
     const int64_t row = H_kv * D;      /* floats between two positions of one block */
@@ -68,6 +69,10 @@ int minipaged_paged_decode_f32(const float *q, const float *k_cache, const float
         float *o = out + s * H * D;
         memset(o, 0, sizeof(float) * H * D);
         if (L <= 0) continue;
+        if ((L + BS - 1) / BS > max_blocks) { /* the context runs past its table row */
+            bad |= 8;
+            continue;
+        }
         float *scores = (float *)malloc(sizeof(float) * H * L); /* scores[h * L + t] */
         if (!scores) {
             bad |= 2;

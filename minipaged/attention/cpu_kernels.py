@@ -100,14 +100,17 @@ def _build() -> ctypes.CDLL:
             os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
         try:
             lib = ctypes.CDLL(str(target))
-            if lib.minipaged_decode_abi() != 2:
+            if lib.minipaged_decode_abi() != 3:
                 raise OSError("wrong ABI version")
         except OSError as e:
+            # a cached build this machine cannot load (a home folder shared with another machine):
+            # drop it, so that the next process builds afresh
             errors.append(f"{' '.join(flags)}: could not load {target.name}: {e}")
+            target.unlink(missing_ok=True)
             continue
         fn = lib.minipaged_paged_decode_f32
         i64, p = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+        fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
         fn.restype = ctypes.c_int
         f32 = ctypes.c_float
         lib.minipaged_rmsnorm_f32.argtypes = [p, p, p, p, i64, i64, f32]
@@ -155,7 +158,10 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bo
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                  max_context_len: int | None = None) -> torch.Tensor:
-    """One query per sequence over its paged context: q (S, H, D) -> (S, H, D), like decode_attention."""
+    """One query per sequence over its paged context: q (S, H, D) -> (S, H, D), like decode_attention.
+
+    ``max_context_len`` is accepted for decode_attention's signature and not trusted: the kernel
+    checks every sequence's length against its table row and every block id against the cache."""
     if not available():
         raise RuntimeError(f"the CPU decode kernel is not available: {why_not()}")
     S, H, D = q.shape
@@ -167,16 +173,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
     lens = context_lens.to(torch.int32).contiguous()
-    longest = max_context_len if max_context_len is not None else (int(lens.max()) if S else 0)
-    if longest > tables.shape[1] * block_size:
-        raise ValueError(f"a context of {longest} tokens is longer than its block table holds "
-                         f"({tables.shape[1]} blocks of {block_size})")
+    if tables.shape[0] < S or lens.shape[0] < S:
+        raise ValueError(f"{S} queries but {tables.shape[0]} block-table rows and {lens.shape[0]} context lengths")
     result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.empty_like(q)
     rc = _lib.minipaged_paged_decode_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-        lens.data_ptr(), result.data_ptr(), S, H, h_kv, D, block_size, num_blocks, float(scale))
-    if rc != 0:
-        raise IndexError("a block table names a block outside the cache" if -rc & 4 else f"CPU decode kernel failed ({rc})")
+        lens.data_ptr(), result.data_ptr(), S, H, h_kv, D, block_size, num_blocks, tables.shape[1], float(scale))
+    if rc != 0:  # the kernel checks every id and length itself: nothing is read out of bounds
+        if -rc & 4:
+            raise IndexError("a block table names a block outside the cache")
+        if -rc & 8:
+            raise ValueError(f"a context is longer than its block table holds ({tables.shape[1]} blocks of {block_size})")
+        raise MemoryError(f"the CPU decode kernel could not allocate its scores ({rc})")
     if out is not None and result is not out:
         out.copy_(result)
         return out
