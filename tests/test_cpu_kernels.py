@@ -218,3 +218,24 @@ def test_minipaged_info_says_whether_the_cpu_kernels_are_in_use(tmp_path):
     p = subprocess.run([sys.executable, "-m", "minipaged", "info"], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr
     assert "CPU kernels (decode attention, fused ops): not in use, the PyTorch path runs instead: MINIPAGED_CPU_KERNELS=0 is set" in p.stdout
+
+
+@needs_kernels
+def test_write_kv_in_c_equals_index_copy_and_writes_nothing_on_a_bad_slot():
+    from minipaged import kv_cache
+
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(6, 3 * 16 + 8, generator=g)  # k as a view into wider rows
+    k = wide[:, 8:].view(6, 3, 16)
+    v = torch.randn(6, 3, 16, generator=g)
+    slots = torch.tensor([0, 5, 17, 18, 31, 2])
+    got = [torch.zeros(4, 8, 3, 16), torch.zeros(4, 8, 3, 16)]
+    cpu_kernels.write_kv(*got, k, v, slots)
+    want = [torch.zeros(4, 8, 3, 16), torch.zeros(4, 8, 3, 16)]
+    want[0].view(32, 3, 16).index_copy_(0, slots, k)
+    want[1].view(32, 3, 16).index_copy_(0, slots, v)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    before = [t.clone() for t in got]
+    with pytest.raises(IndexError, match="outside the cache"):
+        kv_cache.write_kv(*got, k, v, torch.tensor([1, 2, 3, 4, 5, 32]))
+    assert torch.equal(got[0], before[0]) and torch.equal(got[1], before[1])  # nothing written

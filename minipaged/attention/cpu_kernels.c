@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int minipaged_decode_abi(void) { return 3; }
+int minipaged_decode_abi(void) { return 4; }
 
 /* e^x for float x, written so the compiler vectorizes it (libm's expf is a scalar call).
  * Cephes' expf: n = round(x log2 e), r = x - n ln 2 (ln 2 split in two for precision),
@@ -197,4 +197,19 @@ void minipaged_rope_f32(float *x, int64_t x_stride, int64_t N, int64_t heads, in
             }
         }
     }
+}
+
+/* Store N new tokens' K and V rows (row = H_kv * D floats each) at their slots of the flat
+ * caches (num_slots = num_blocks * block_size rows). k and v rows are k_stride / v_stride floats
+ * apart. Every slot is checked before anything is written: returns -1 and writes nothing if one
+ * is outside the cache. */
+int minipaged_write_kv_f32(float *k_cache, float *v_cache, const float *k, const float *v, int64_t k_stride,
+                           int64_t v_stride, const int64_t *slots, int64_t N, int64_t row, int64_t num_slots) {
+    for (int64_t n = 0; n < N; n++)
+        if (slots[n] < 0 || slots[n] >= num_slots) return -1;
+    for (int64_t n = 0; n < N; n++) {
+        memcpy(k_cache + slots[n] * row, k + n * k_stride, sizeof(float) * row);
+        memcpy(v_cache + slots[n] * row, v + n * v_stride, sizeof(float) * row);
+    }
+    return 0;
 }

@@ -100,7 +100,7 @@ def _build() -> ctypes.CDLL:
             os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
         try:
             lib = ctypes.CDLL(str(target))
-            if lib.minipaged_decode_abi() != 3:
+            if lib.minipaged_decode_abi() != 4:
                 raise OSError("wrong ABI version")
         except OSError as e:
             # a cached build this machine cannot load (a home folder shared with another machine):
@@ -119,6 +119,8 @@ def _build() -> ctypes.CDLL:
         lib.minipaged_silu_mul_f32.restype = None
         lib.minipaged_rope_f32.argtypes = [p, i64, i64, i64, i64, p, p]
         lib.minipaged_rope_f32.restype = None
+        lib.minipaged_write_kv_f32.argtypes = [p, p, p, p, i64, i64, p, i64, i64, i64]
+        lib.minipaged_write_kv_f32.restype = ctypes.c_int
         lib.minipaged_exp_f32.argtypes = [p, p, i64]
         lib.minipaged_exp_f32.restype = None
         return lib
@@ -220,6 +222,30 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return gate
 
 
+def write_kv_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """fp32 CPU caches, contiguous, and k, v whose heads lie contiguous within each token's row."""
+    def rows_ok(x: torch.Tensor) -> bool:
+        return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+    return (k_cache.device.type == "cpu" and k_cache.dtype == v_cache.dtype == k.dtype == v.dtype == torch.float32
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and rows_ok(k) and rows_ok(v) and available())
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """kv_cache.write_kv in one C call for K and V: every slot checked first, nothing written if one is bad."""
+    num_blocks, block_size, h, d = k_cache.shape
+    n = k.shape[0]
+    if k.shape != (n, h, d) or v.shape != (n, h, d) or slot_mapping.shape != (n,):
+        raise ValueError(f"k, v must be ({n}, {h}, {d}) with one slot each; got {tuple(k.shape)}, {tuple(v.shape)}, "
+                         f"{tuple(slot_mapping.shape)} slots")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    rc = _lib.minipaged_write_kv_f32(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+                                     v.stride(0), slots.data_ptr(), n, h * d, num_blocks * block_size)
+    if rc != 0:
+        raise IndexError(f"a slot is outside the cache (0..{num_blocks * block_size - 1}): nothing was written")
+
+
 def exp(x: torch.Tensor) -> torch.Tensor:
     """The kernels' own e^x (for testing its accuracy): contiguous fp32 in, same shape out."""
     x = x.contiguous()
@@ -241,4 +267,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x
 
 
-__all__ = ["available", "why_not", "applies", "paged_decode", "fused_ops_apply", "rmsnorm", "silu_mul", "rope_"]
+__all__ = ["available", "why_not", "applies", "paged_decode", "fused_ops_apply", "rmsnorm", "silu_mul", "rope_",
+           "write_kv_applies", "write_kv"]
