@@ -37,6 +37,22 @@ def _res(mp=300.0, hf=100.0, ceil=400.0, b1=40.0, lc=50.0) -> dict:
             "ceiling": {"tokens_per_s": ceil}}
 
 
+def test_the_median_run_is_reported_with_every_run_beside_it():
+    runs = [{"output_tokens_per_s": v, "seconds": 1.0 / v, "output_tokens": 1} for v in (30.0, 10.0, 20.0)]
+    med = speed._median_run(runs)
+    assert med["output_tokens_per_s"] == 20.0 and med["runs_tokens_per_s"] == [30.0, 10.0, 20.0]
+    assert speed._median_run(runs[:2])["output_tokens_per_s"] == 10.0  # even count: the lower middle, not a flattering pick
+    res = _res()
+    res.update(ratios=speed.ratios(res), workload={"description": "test"})
+    res["ceiling"]["gemm_gflops"] = 1.0
+    for name in res["systems"]:
+        res["systems"][name].update(output_tokens=1, seconds=1.0)
+    res["systems"]["minipaged"]["runs_tokens_per_s"] = [290.0, 300.0, 310.0]
+    assert "median of 3 runs: 290.0, 300.0, 310.0" in speed.format_summary(res)
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        speed.run_speed(repeats=0)
+
+
 def test_ratios_and_each_goal_verdict():
     r = speed.ratios(_res())
     assert r["x_transformers"] == pytest.approx(3.0) and r["fraction_of_ceiling"] == pytest.approx(0.75)

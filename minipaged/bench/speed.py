@@ -189,8 +189,10 @@ def _say(name: str, d: dict) -> None:
 
 def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64, max_num_batched_tokens: int = 2048,
               batch1_requests: int = 4, systems: tuple[str, ...] = ("minipaged", "transformers", "batch1"),
-              attention: str = "torch", check_outputs: bool = True) -> dict:
+              attention: str = "torch", check_outputs: bool = True, repeats: int = 1) -> dict:
     """Everything in one run; figures and ratios in one dict (see the module docstring)."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     from ..model import default_model_path, load_model
 
     t = time.perf_counter()
@@ -209,32 +211,43 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
     }
     gemm_before = gemm_rate()
     S = res["systems"]
-    if "minipaged" in systems:
-        run_minipaged(model, tok, wl.requests[:2], 2, 512, attention=attention)  # warm-up: first-call costs are not serving
-        d = run_minipaged(model, tok, wl.requests, batch_size, max_num_batched_tokens, attention=attention)
-        token_ids = d.pop("token_ids")
-        S["minipaged"] = dict(d, batch_size=batch_size, max_num_batched_tokens=max_num_batched_tokens, attention=attention)
-        _say("minipaged", S["minipaged"])
+    hf = None
     if "transformers" in systems:
         from .baselines import load_hf_peer
 
         hf = load_hf_peer(str(default_model_path()))
         if hf is None:
             S["transformers"] = {"skipped": "transformers is not installed (pip install 'minipaged[course]')"}
-        else:
-            S["transformers"] = run_transformers(hf, wl.requests, batch_size)
-            _say("transformers", S["transformers"])
-            if check_outputs and "minipaged" in S:
-                # generate's min_new_tokens forbids EOS, while ignore_eos lets it be sampled and goes on:
-                # the two runs are the same work, and their tokens agree up to minipaged's first EOS
-                hf_ids = _hf_greedy_ids(hf, wl.requests[:1])[0]
-                mine = token_ids[0]
-                same = next((i for i, (a, b) in enumerate(zip(mine, hf_ids)) if a != b), len(mine))
-                eos = set(model.config.eos_token_ids or ())
-                first_eos = next((i for i, t in enumerate(mine) if t in eos), len(mine))
-                S["transformers"]["greedy_check"] = {
-                    "equal_tokens": same, "minipaged_first_eos": first_eos, "agree_until_eos": same >= first_eos}
-            del hf
+    if "minipaged" in systems:
+        run_minipaged(model, tok, wl.requests[:2], 2, 512, attention=attention)  # warm-up: first-call costs are not serving
+    # The two systems take turns, ``repeats`` times, so that a slow spell of the machine hits both;
+    # each reports its median run (every run is kept under "runs_tokens_per_s").
+    mp_runs, hf_runs, token_ids = [], [], None
+    for _ in range(repeats):
+        if "minipaged" in systems:
+            d = run_minipaged(model, tok, wl.requests, batch_size, max_num_batched_tokens, attention=attention)
+            token_ids = d.pop("token_ids")
+            mp_runs.append(d)
+        if hf is not None:
+            hf_runs.append(run_transformers(hf, wl.requests, batch_size))
+    if mp_runs:
+        S["minipaged"] = dict(_median_run(mp_runs), batch_size=batch_size, max_num_batched_tokens=max_num_batched_tokens,
+                              attention=attention)
+        _say("minipaged", S["minipaged"])
+    if hf_runs:
+        S["transformers"] = _median_run(hf_runs)
+        _say("transformers", S["transformers"])
+        if check_outputs and token_ids is not None:
+            # generate's min_new_tokens forbids EOS, while ignore_eos lets it be sampled and goes on:
+            # the two runs are the same work, and their tokens agree up to minipaged's first EOS
+            hf_ids = _hf_greedy_ids(hf, wl.requests[:1])[0]
+            mine = token_ids[0]
+            same = next((i for i, (a, b) in enumerate(zip(mine, hf_ids)) if a != b), len(mine))
+            eos = set(model.config.eos_token_ids or ())
+            first_eos = next((i for i, t in enumerate(mine) if t in eos), len(mine))
+            S["transformers"]["greedy_check"] = {
+                "equal_tokens": same, "minipaged_first_eos": first_eos, "agree_until_eos": same >= first_eos}
+    del hf
     gemm_after = gemm_rate()
     gemm = max(gemm_before, gemm_after)
     res["ceiling"] = {
@@ -268,6 +281,13 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
             S["llama_cpp_batch1"] = {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python; it compiles llama.cpp)"}
     res["ratios"] = ratios(res)
     return res
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (the lower middle one for an even count), with every
+    run's tokens/s beside it."""
+    order = sorted(runs, key=lambda d: d["output_tokens_per_s"])
+    return dict(order[(len(order) - 1) // 2], runs_tokens_per_s=[d["output_tokens_per_s"] for d in runs])
 
 
 def _hf_greedy_ids(hf_model, requests: list[Request]) -> list[list[int]]:
@@ -315,7 +335,9 @@ def format_summary(res: dict) -> str:
         if "skipped" in d:
             lines.append(f"  {name:<18} skipped: {d['skipped']}")
         else:
-            lines.append(f"  {name:<18} {d['output_tokens_per_s']:8.1f} tok/s  ({d['output_tokens']} tokens in {d['seconds']:.1f} s)")
+            runs = d.get("runs_tokens_per_s") or []
+            spread = (f"; median of {len(runs)} runs: " + ", ".join(f"{v:.1f}" for v in runs)) if len(runs) > 1 else ""
+            lines.append(f"  {name:<18} {d['output_tokens_per_s']:8.1f} tok/s  ({d['output_tokens']} tokens in {d['seconds']:.1f} s{spread})")
     if "x_transformers" in r:
         lines.append(f"minipaged / transformers.generate at batch {S['transformers']['batch_size']}: {r['x_transformers']:.2f}x "
                      f"(goal {GOALS['x_transformers']}x)")
@@ -339,6 +361,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch1-requests", type=int, default=4, help="requests served one at a time for the batch-1 figures")
     ap.add_argument("--systems", default="minipaged,transformers,batch1", help="comma-separated subset")
     ap.add_argument("--attention", default="torch", choices=["torch", "reference", "auto"])
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of minipaged and transformers, taking turns; each reports its median run (default 3)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 gives steadier shares on a busy machine")
 
@@ -357,7 +381,8 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
     unknown = set(systems) - {"minipaged", "transformers", "batch1"}
     if unknown:
         ap.error(f"unknown system(s) {sorted(unknown)}: choose from minipaged, transformers, batch1")
-    res = run_speed(a.num_requests, a.max_tokens, a.batch_size, a.max_num_batched_tokens, a.batch1_requests, systems, a.attention)
+    res = run_speed(a.num_requests, a.max_tokens, a.batch_size, a.max_num_batched_tokens, a.batch1_requests, systems, a.attention,
+                    repeats=a.repeats)
     res["arguments"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if not k.startswith("_") and not callable(v)}
     print(format_summary(res))
     if a.json:
