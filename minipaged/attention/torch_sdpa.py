@@ -216,10 +216,9 @@ def paged_attention(
         in_place = cpu_kernels.applies(q, k_cache, v_cache)  # no padding, so never a reason to split
         groups = [list(range(len(dec)))] if in_place else decode_groups([ctx[s] for s in dec])
         if len(groups) == 1 and decodes is None:  # the common case: one call, no row shuffling
-            if in_place and out.dtype == torch.float32 and out.is_contiguous():
+            if in_place:  # straight into out (the kernel copes with out's dtype and layout)
                 cpu_kernels.paged_decode(q[:num_decodes], k_cache, v_cache, block_tables[:num_decodes],
-                                         context_lens[:num_decodes], scale, out=out[:num_decodes],
-                                         max_context_len=max(ctx[:num_decodes]))
+                                         context_lens[:num_decodes], scale, out=out[:num_decodes])
             else:
                 o = decode_attention(q[:num_decodes], k_cache, v_cache, block_tables[:num_decodes],
                                      context_lens[:num_decodes], scale, max(ctx[:num_decodes]))

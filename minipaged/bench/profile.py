@@ -19,7 +19,6 @@ prefill steps included. Prints a markdown table (the README's) and can write JSO
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import defaultdict
@@ -28,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from . import save_run
 
 CATEGORIES = ("linear layers", "attention", "LM head", "other model ops", "sampling", "scheduler", "runner",
               "detokenizing", "engine glue")
@@ -199,13 +200,9 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
     if not batches or min(batches) < 1 or a.max_tokens < 1:
         ap.error("--batches needs at least one size >= 1 and --max-tokens must be >= 1")
     res = run_profile(batches, a.max_tokens, a.attention)
-    res["arguments"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if not k.startswith("_") and not callable(v)}
     print(f"{res['max_tokens']} new tokens per request, chat prompts, greedy, fp32, {res['threads']} threads, wall clock per category")
     print(format_markdown(res))
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(res, indent=1))
-        print(f"wrote {a.json}")
+    save_run(res, a)
     return 0
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..sampling import SamplingParams
+from . import save_run
 from .workloads import Request, Workload, chat_prompt_ids
 
 GOALS = {"x_transformers": 2.0, "fraction_of_ceiling": 0.60, "llama_cpp_batch1_slowdown_max": 1.5}
@@ -374,7 +375,8 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
             ap.error(f"--threads must be >= 1, got {a.threads}")
         torch.set_num_threads(a.threads)
     for name, v in (("--num-requests", a.num_requests), ("--max-tokens", a.max_tokens), ("--batch-size", a.batch_size),
-                    ("--max-num-batched-tokens", a.max_num_batched_tokens), ("--batch1-requests", a.batch1_requests)):
+                    ("--max-num-batched-tokens", a.max_num_batched_tokens), ("--batch1-requests", a.batch1_requests),
+                    ("--repeats", a.repeats)):
         if v < 1:
             ap.error(f"{name} must be >= 1, got {v}")
     systems = tuple(s.strip() for s in a.systems.split(",") if s.strip())
@@ -383,12 +385,8 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
         ap.error(f"unknown system(s) {sorted(unknown)}: choose from minipaged, transformers, batch1")
     res = run_speed(a.num_requests, a.max_tokens, a.batch_size, a.max_num_batched_tokens, a.batch1_requests, systems, a.attention,
                     repeats=a.repeats)
-    res["arguments"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if not k.startswith("_") and not callable(v)}
     print(format_summary(res))
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(res, indent=1))
-        print(f"wrote {a.json}")
+    save_run(res, a)
     return 0
 
 

@@ -45,13 +45,27 @@ class Linear(nn.Linear):
 
     packed: dict[int, torch.Tensor]
 
+    @torch.no_grad()
+    def pack(self, batch_sizes) -> int:
+        """Keep packed copies of the weight for batches of exactly these row counts, replacing any
+        earlier ones (``pack(())`` drops them); returns about the bytes they take. The caller
+        checks that the weight is fp32 on a CPU with MKL (``mkl_packing_available``)."""
+        sizes = sorted({int(m) for m in batch_sizes if int(m) >= 1})
+        self.__dict__.pop("packed", None)
+        self.__dict__.pop("packed_from", None)
+        if not sizes:
+            return 0
+        self.__dict__["packed"] = {m: torch.ops.mkl._mkl_reorder_linear_weight(self.weight, m) for m in sizes}
+        self.__dict__["packed_from"] = (self.weight, _version(self.weight))
+        return self.weight.numel() * 4 * len(sizes)  # MKL's packed layout is about the weight's size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.__dict__.get("packed")
-        # a pack is only good for the very weight it was made from, unchanged since
-        if packed and x.dim() == 2 and x.dtype == torch.float32 and self.__dict__.get("packed_from") == (
-                id(self.weight), _version(self.weight)):
-            w = packed.get(x.shape[0])
-            if w is not None:
+        packs = self.__dict__.get("packed")
+        if packs and x.dim() == 2 and x.dtype == torch.float32:
+            w = packs.get(x.shape[0])
+            # a pack is only good for the very weight it was made from, unchanged since
+            source, version = self.__dict__["packed_from"]
+            if w is not None and self.weight is source and (version is None or self.weight._version == version):
                 return torch.ops.mkl._mkl_linear(x, w, self.weight, self.bias, x.shape[0])
         return F.linear(x, self.weight, self.bias)
 
@@ -217,21 +231,9 @@ class LlamaModel(nn.Module):
         """Keep MKL-packed weights for batches of exactly these row counts (replacing any earlier
         set); returns the bytes they take. Only for fp32 weights on a CPU with MKL; otherwise a
         no-op that returns 0. ``pack_weights(())`` drops them. Results do not change."""
-        sizes = sorted({int(m) for m in batch_sizes if int(m) >= 1})
-        total = 0
         w0 = self.embed_tokens.weight
-        usable = sizes and w0.device.type == "cpu" and w0.dtype == torch.float32 and mkl_packing_available()
-        for module in self.linears():
-            module.__dict__.pop("packed", None)
-            module.__dict__.pop("packed_from", None)
-            if not usable:
-                continue
-            packs = {m: torch.ops.mkl._mkl_reorder_linear_weight(module.weight, m) for m in sizes}
-            module.__dict__["packed"] = packs
-            module.__dict__["packed_weight"] = module.weight  # keeps the id in packed_from meaningful
-            module.__dict__["packed_from"] = (id(module.weight), _version(module.weight))
-            total += sum(module.weight.numel() * 4 for _ in packs)  # MKL's packed layout is about the weight's size
-        return total
+        usable = w0.device.type == "cpu" and w0.dtype == torch.float32 and mkl_packing_available()
+        return sum(module.pack(batch_sizes if usable else ()) for module in self.linears())
 
     def packed_batch_sizes(self) -> list[int]:
         """The batch sizes ``pack_weights`` last packed for (empty when none)."""
