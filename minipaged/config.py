@@ -33,6 +33,12 @@ class EngineConfig:
     # the weights' bytes of address space, and touches about 1x) and the packed copy takes at
     # most a quarter of free memory; True: on, refused where it cannot be; False: off.
     packed_gemm: bool | None = None
+    # Small batches (at most model.llama.GGUF_MATMUL_MAX_ROWS rows) multiply straight from the
+    # GGUF file's quantized blocks: the same fp32 weights rebuilt block by block, a fifth of the
+    # bytes read (model/gguf_blocks.py). None: on where the model keeps blocks (load_model gives a
+    # GGUF model in fp32 on a CPU its blocks) and the C kernels build; True: on, refused where it
+    # cannot be; False: off, every batch reads the fp32 copy.
+    gguf_blocks: bool | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -54,6 +60,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.packed_gemm is not None and not isinstance(self.packed_gemm, bool):
             raise ValueError(f"packed_gemm must be True, False or None (on where it helps), got {self.packed_gemm!r}")
+        if self.gguf_blocks is not None and not isinstance(self.gguf_blocks, bool):
+            raise ValueError(f"gguf_blocks must be True, False or None (on where the model keeps them), got {self.gguf_blocks!r}")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True, False or None (on when the scheduler supports it), "
                              f"got {self.enable_prefix_caching!r}")

@@ -169,6 +169,30 @@ def _pack_weights(model: torch.nn.Module, config: EngineConfig) -> bool:
     return on
 
 
+def _use_gguf_blocks(model: torch.nn.Module, config: EngineConfig) -> bool:
+    """Let small batches multiply from the GGUF blocks as ``config.gguf_blocks`` says (see
+    EngineConfig); True when they do. Like packing, this is the model's state: the last engine
+    built on a model sets it."""
+    if not hasattr(model, "use_gguf_blocks"):
+        if config.gguf_blocks:
+            raise ValueError("gguf_blocks=True needs minipaged's LlamaModel; use gguf_blocks=None or False")
+        return False
+    from .attention import cpu_kernels
+    from .model.llama import GGUF_MATMUL_MAX_ROWS
+
+    kept = model.gguf_blocks_info()["layers"]
+    p = next(model.parameters())
+    fits = p.device.type == "cpu" and p.dtype == torch.float32
+    if config.gguf_blocks and not (kept and fits and cpu_kernels.available()):
+        why = ("the model keeps no GGUF blocks (load a Q4_0/Q4_1/Q8_0 GGUF file with load_model in fp32 on the CPU)"
+               if not kept else f"the weights are {p.dtype} on {p.device}, not fp32 on the CPU" if not fits
+               else f"the CPU kernels are not available: {cpu_kernels.why_not()}")
+        raise ValueError(f"gguf_blocks=True cannot be honoured: {why}; use gguf_blocks=None (on where it can be) or False")
+    on = config.gguf_blocks is not False and bool(kept) and fits and cpu_kernels.available()
+    model.use_gguf_blocks(GGUF_MATMUL_MAX_ROWS if on else 0)
+    return on
+
+
 class LLMEngine:
     """``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``.
 
@@ -236,6 +260,7 @@ class LLMEngine:
         self.backend = get_backend(parts.attention, self.device)
         self.model.bind_attention(self.backend)
         self.packed_gemm = _pack_weights(self.model, config)
+        self.gguf_blocks = _use_gguf_blocks(self.model, config)
         self.runner = ModelRunner(self.device)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}  # unfinished requests (finished ones are pruned)

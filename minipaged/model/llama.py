@@ -34,14 +34,39 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-class Linear(nn.Linear):
-    """An ``nn.Linear`` that can keep MKL-packed copies of its weight for given batch sizes.
+def _signature(t: torch.Tensor) -> tuple:
+    """What must not change for a copy made from ``t`` to stay good: the tensor, its memory, its
+    in-place-change counter (``param.data = ...`` and ``.to()`` swap the memory, ``copy_`` bumps
+    the counter)."""
+    return (t, t.data_ptr(), t.dtype, _version(t))
 
-    MKL's GEMM repacks the weight into its blocked layout on every call; at decode-sized
-    batches (tens of rows) that repacking is a large part of the call. With a packed copy for a
-    batch of exactly M rows (``LlamaModel.pack_weights``), an (M, in) input skips it, at the same
-    result; any other batch runs the plain ``nn.Linear``. Hooks and state dicts see an ordinary
-    ``nn.Linear``: the packed copies are neither parameters nor buffers."""
+
+def _unchanged(t: torch.Tensor, signature: tuple) -> bool:
+    source, ptr, dtype, version = signature
+    return t is source and t.data_ptr() == ptr and t.dtype == dtype and (version is None or _version(t) == version)
+
+
+# Batches of at most this many rows go through the GGUF blocks (cpu_kernels.qmatmul) when a
+# Linear keeps them and use_gguf_blocks is on: up to here reading 5-6x fewer bytes beats MKL on
+# the fp32 copy; above it MKL's GEMM wins (scripts/gguf_matmul_crossover.py measures both).
+GGUF_MATMUL_MAX_ROWS = 16
+
+
+class Linear(nn.Linear):
+    """An ``nn.Linear`` that can keep two faster forms of its weight, for the CPU in fp32:
+
+    - MKL-packed copies for given batch sizes (``pack``). MKL's GEMM repacks the weight into its
+      blocked layout on every call; at decode-sized batches (tens of rows) that repacking is a
+      large part of the call. With a packed copy for a batch of exactly M rows
+      (``LlamaModel.pack_weights``), an (M, in) input skips it, at the same result.
+    - The GGUF file's quantized blocks (``keep_blocks``, see model/gguf_blocks.py). A batch of at
+      most ``gguf_rows`` rows multiplies straight from them: the same fp32 weights rebuilt block
+      by block, the same fp32 maths, a fifth of the bytes read.
+
+    Any other batch runs the plain ``nn.Linear``. Both forms are checked against the weight
+    they came from before each use: a weight replaced or changed in place is never served from
+    a stale copy. Hooks and state dicts see an ordinary ``nn.Linear``: the copies are neither
+    parameters nor buffers."""
 
     packed: dict[int, torch.Tensor]
 
@@ -56,17 +81,44 @@ class Linear(nn.Linear):
         if not sizes:
             return 0
         self.__dict__["packed"] = {m: torch.ops.mkl._mkl_reorder_linear_weight(self.weight, m) for m in sizes}
-        self.__dict__["packed_from"] = (self.weight, _version(self.weight))
+        self.__dict__["packed_from"] = _signature(self.weight)
         return self.weight.numel() * 4 * len(sizes)  # MKL's packed layout is about the weight's size
 
+    def keep_blocks(self, blocks) -> None:
+        """Keep ``blocks`` (a GGUFBlocks of this very weight, or None to drop them). They are
+        used for batches of at most ``gguf_rows`` rows (0, the default, until set)."""
+        self.__dict__.pop("blocks", None)
+        self.__dict__.pop("blocks_from", None)
+        if blocks is None:
+            return
+        if tuple(blocks.shape) != tuple(self.weight.shape):
+            raise ValueError(f"blocks of a {tuple(blocks.shape)} weight cannot stand for this {tuple(self.weight.shape)} one")
+        self.__dict__["blocks"] = blocks
+        self.__dict__["blocks_from"] = _signature(self.weight)
+
+    @property
+    def blocks(self):
+        """The GGUF blocks kept (None when there are none, or the weight has changed since)."""
+        blocks = self.__dict__.get("blocks")
+        if blocks is None or not _unchanged(self.weight, self.__dict__["blocks_from"]):
+            return None
+        return blocks
+
+    gguf_rows: int = 0  # batches of at most this many rows use the blocks (LlamaModel.use_gguf_blocks)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packs = self.__dict__.get("packed")
-        if packs and x.dim() == 2 and x.dtype == torch.float32:
-            w = packs.get(x.shape[0])
-            # a pack is only good for the very weight it was made from, unchanged since
-            source, version = self.__dict__["packed_from"]
-            if w is not None and self.weight is source and (version is None or self.weight._version == version):
-                return torch.ops.mkl._mkl_linear(x, w, self.weight, self.bias, x.shape[0])
+        if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+            if 1 <= x.shape[0] <= self.gguf_rows:
+                blocks = self.blocks
+                if blocks is not None and cpu_kernels.available() and not (x.requires_grad and torch.is_grad_enabled()):
+                    y = cpu_kernels.qmatmul(x, blocks)
+                    return y if self.bias is None else y.add_(self.bias)
+            packs = self.__dict__.get("packed")
+            if packs:
+                w = packs.get(x.shape[0])
+                # a pack is only good for the very weight it was made from, unchanged since
+                if w is not None and _unchanged(self.weight, self.__dict__["packed_from"]):
+                    return torch.ops.mkl._mkl_linear(x, w, self.weight, self.bias, x.shape[0])
         return F.linear(x, self.weight, self.bias)
 
 
@@ -235,6 +287,38 @@ class LlamaModel(nn.Module):
         usable = w0.device.type == "cpu" and w0.dtype == torch.float32 and mkl_packing_available()
         return sum(module.pack(batch_sizes if usable else ()) for module in self.linears())
 
+    def keep_gguf_blocks(self, blocks: Mapping[str, object]) -> int:
+        """Give each linear layer its GGUF blocks (names as in ``load_hf_state_dict``, e.g.
+        ``model.layers.0.mlp.up_proj.weight``; a layer not named keeps none); returns how many
+        layers got them. They are used once ``use_gguf_blocks`` allows it."""
+        names = {"lm_head.weight": self.lm_head}
+        for name, module in self.named_modules():
+            if isinstance(module, Linear) and module is not self.lm_head:
+                names[f"model.{name}.weight"] = module
+        unknown = sorted(set(blocks) - set(names))
+        if unknown:
+            raise KeyError(f"no linear layer is named {unknown[:4]}")
+        for name, module in names.items():
+            module.keep_blocks(blocks.get(name))
+        return sum(name in blocks for name in names)
+
+    def use_gguf_blocks(self, max_rows: int | None = GGUF_MATMUL_MAX_ROWS) -> int:
+        """Batches of at most ``max_rows`` rows multiply from the kept GGUF blocks (fp32 on a CPU,
+        with the C kernels built); 0 or None: never. Returns how many layers can."""
+        rows = int(max_rows or 0)
+        if rows < 0:
+            raise ValueError(f"max_rows must be >= 0, got {max_rows!r}")
+        for module in self.linears():
+            module.gguf_rows = rows
+        return sum(m.blocks is not None for m in self.linears()) if rows else 0
+
+    def gguf_blocks_info(self) -> dict:
+        """Which layers keep GGUF blocks, and for which batches they are used."""
+        kept = [m for m in self.linears() if m.blocks is not None]
+        return {"layers": len(kept), "of": len(self.linears()), "max_rows": self.lm_head.gguf_rows,
+                "bytes": sum(m.blocks.nbytes for m in kept),
+                "kinds": sorted({m.blocks.kind for m in kept})}
+
     def packed_batch_sizes(self) -> list[int]:
         """The batch sizes ``pack_weights`` last packed for (empty when none)."""
         packed = self.lm_head.__dict__.get("packed") or {}
@@ -258,6 +342,8 @@ class LlamaModel(nn.Module):
         A model built on the meta device gets the given tensors themselves, not copies.
         """
         self.pack_weights(())  # packed copies of the old weights would be stale
+        for module in self.linears():
+            module.keep_blocks(None)  # and so would GGUF blocks
         own = {}
         for name, tensor in state_dict.items():
             if name.endswith("rotary_emb.inv_freq"):

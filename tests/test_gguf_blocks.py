@@ -1,0 +1,166 @@
+"""Small batches multiply straight from the GGUF blocks (model/gguf_blocks.py, cpu_kernels.qmatmul).
+
+- the kernel rebuilds every weight bit for bit as gguf.quants dequantizes it, for Q4_0, Q4_1
+  and Q8_0 (fp16 scales of every sign and size, subnormal ones too), and its products are an
+  fp32 matmul's, at every row count the kernel splits differently (1..20) and on strided rows;
+- the default model's kept blocks are its fp32 copies exactly, Q and K rows un-permuted too;
+- a Linear uses its blocks only for batches of at most ``gguf_rows`` rows, never once its weight
+  is replaced or changed, and adds its bias;
+- ``EngineConfig.gguf_blocks``: validated, off when asked, refused with a reason where it cannot
+  be on; greedy output is the same with the blocks and without them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minipaged.attention import cpu_kernels
+from minipaged.model.gguf_blocks import KINDS, GGUFBlocks
+from minipaged.model.llama import GGUF_MATMUL_MAX_ROWS, Linear
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no CPU kernels here: {cpu_kernels.why_not()}")
+BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def random_rows(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """n rows of k weights in the file's own byte layout, with fp16 scales of all kinds."""
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    rows = rng.integers(0, 256, size=(n, nb, BYTES[kind]), dtype=np.uint8)
+    scales = rng.choice(np.array([1e-3, -2e-2, 0.5, -7.0, 6e-6, -3e-7, 0.0], dtype=np.float16), size=(n, nb, 2))
+    scales = scales * rng.uniform(0.5, 1.5, size=scales.shape).astype(np.float16)  # subnormals (6e-6, 3e-7) kept
+    rows[..., 0:2] = scales[..., 0:1].view(np.uint8)
+    if kind == "Q4_1":
+        rows[..., 2:4] = scales[..., 1:2].view(np.uint8)
+    return rows.reshape(n, nb * BYTES[kind])
+
+
+def assert_fp32_close(got, x, w, bias=None):
+    """got = x @ w.T (+ bias) to fp32 rounding: within K roundings of sum |x| |w| (cancellation-proof)."""
+    want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    bound = x.shape[1] * 2**-24 * (x.abs().double() @ w.abs().double().T + (0 if bias is None else bias.abs().double()))
+    assert ((got.double() - want).abs() <= bound + 1e-30).all(), f"off by {(got.double() - want).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_dequantize_is_gguf_quants_bit_for_bit(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = random_rows(kind, 40, 96, seed=1)
+    want = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32))
+    got = GGUFBlocks.from_file_rows(kind, raw).dequantize()
+    assert got.shape == (40, 96) and torch.equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_kernel_rebuilds_each_weight_exactly(kind):
+    blocks = GGUFBlocks.from_file_rows(kind, random_rows(kind, 37, 128, seed=2))
+    w = blocks.dequantize()
+    for rows in (1, 5, 16):  # unit rows pick the weights out one by one: a sum of one product is exact
+        eye = torch.eye(128)[:rows] if rows < 128 else torch.eye(128)
+        got = cpu_kernels.qmatmul(eye.contiguous(), blocks)
+        assert torch.equal(got, w[:, :rows].T.contiguous()), f"{kind}: rebuilt weights differ at {rows} rows"
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 15, 16, 20])
+def test_the_kernel_is_an_fp32_matmul(kind, m):
+    blocks = GGUFBlocks.from_file_rows(kind, random_rows(kind, 70, 160, seed=m))
+    w = blocks.dequantize()
+    g = torch.Generator().manual_seed(m)
+    wide = torch.randn(m, 200, generator=g)
+    x = wide[:, 17:177]  # strided rows: a view into wider ones
+    assert_fp32_close(cpu_kernels.qmatmul(x, blocks), x, w)
+
+
+@needs_kernels
+def test_bad_blocks_and_inputs_are_refused_with_a_reason():
+    raw = random_rows("Q4_1", 4, 64)
+    with pytest.raises(ValueError, match="Q2_K blocks are not supported"):
+        GGUFBlocks.from_file_rows("Q2_K", raw)
+    with pytest.raises(ValueError, match=r"Q4_1 rows must be uint8 \(N, K/32 \* 20\)"):
+        GGUFBlocks.from_file_rows("Q4_1", raw[:, :30])
+    blocks = GGUFBlocks.from_file_rows("Q4_1", raw)
+    with pytest.raises(ValueError, match=r"x must be fp32 \(M, 64\) on the CPU"):
+        cpu_kernels.qmatmul(torch.randn(2, 65), blocks)
+    with pytest.raises(ValueError, match=r"x must be fp32"):
+        cpu_kernels.qmatmul(torch.randn(2, 64, dtype=torch.float64), blocks)
+    lin = Linear(64, 5, bias=False)
+    with pytest.raises(ValueError, match=r"blocks of a \(4, 64\) weight cannot stand for this \(5, 64\) one"):
+        lin.keep_blocks(blocks)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_linear_uses_its_blocks_only_for_small_batches_and_never_stale(bias, monkeypatch):
+    blocks = GGUFBlocks.from_file_rows("Q4_1", random_rows("Q4_1", 48, 96, seed=4))
+    lin = Linear(96, 48, bias=bias).requires_grad_(False)
+    with torch.no_grad():
+        lin.weight.copy_(blocks.dequantize())
+        if bias:
+            lin.bias.uniform_(-1, 1)
+    lin.keep_blocks(blocks)
+    calls = []
+    real = cpu_kernels.qmatmul
+    monkeypatch.setattr(cpu_kernels, "qmatmul", lambda x, b: calls.append(x.shape[0]) or real(x, b))
+    x3, x20 = torch.randn(3, 96), torch.randn(20, 96)
+    lin(x3)
+    assert calls == [], "gguf_rows is 0 until it is set: the blocks must not be used yet"
+    lin.gguf_rows = 16
+    assert_fp32_close(lin(x3), x3, lin.weight, lin.bias)
+    lin(x20)  # above gguf_rows: the fp32 copy
+    assert calls == [3]
+    with torch.no_grad():
+        lin.weight.mul_(-1.5)  # changed in place: the blocks no longer stand for it
+    assert lin.blocks is None
+    torch.testing.assert_close(lin(x3), F.linear(x3, lin.weight, lin.bias), rtol=0, atol=0)  # F.linear itself
+    lin.keep_blocks(blocks)
+    lin.weight.data = blocks.dequantize().clone()  # replaced memory: same values, still not trusted
+    assert lin.blocks is None and calls == [3]
+
+
+@needs_kernels
+def test_the_default_models_blocks_are_its_fp32_weights_exactly(smollm2):
+    model, _ = smollm2
+    info = model.gguf_blocks_info()
+    assert info["layers"] == info["of"] == 7 * model.config.num_layers + 1
+    assert info["kinds"] == ["Q4_1", "Q8_0"]
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            assert torch.equal(module.blocks.dequantize(), module.weight), f"{name}: kept blocks are not its weight"
+
+
+@needs_kernels
+def test_engine_setting_on_off_and_refused(smollm2):
+    from minipaged import LLM, SamplingParams
+    from minipaged.engine import LLMEngine
+
+    model, tok = smollm2
+    with pytest.raises(ValueError, match="gguf_blocks must be True, False or None"):
+        LLMEngine(model, tok, num_blocks=16, gguf_blocks=1)
+    prompts = ["The capital of France is", "List three prime numbers:"]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    try:
+        off = LLM(model, tok, gguf_blocks=False, num_blocks=64)
+        assert off.engine.gguf_blocks is False and model.gguf_blocks_info()["max_rows"] == 0
+        want = [o.token_ids for o in off.generate(prompts, params)]
+        on = LLM(model, tok, num_blocks=64)
+        assert on.engine.gguf_blocks is True and model.gguf_blocks_info()["max_rows"] == GGUF_MATMUL_MAX_ROWS
+        assert [o.token_ids for o in on.generate(prompts, params)] == want
+    finally:
+        model.use_gguf_blocks()  # the session's model as load_model left it
+
+
+def test_gguf_blocks_true_is_refused_where_there_are_none():
+    from minipaged.engine import LLMEngine
+    from test_cpu_kernels import _tiny
+
+    with pytest.raises(ValueError, match="gguf_blocks=True cannot be honoured: the model keeps no GGUF blocks"):
+        LLMEngine(_tiny(), None, num_blocks=16, gguf_blocks=True)
+    eng = LLMEngine(_tiny(), None, num_blocks=16)  # auto: quietly off
+    assert eng.gguf_blocks is False
