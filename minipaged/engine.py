@@ -147,9 +147,10 @@ def _room_to_pack(model: torch.nn.Module, device: torch.device) -> bool:
     return sum(m.weight.numel() * 4 for m in model.linears()) <= available_memory_bytes(device) // 4
 
 
-def _pack_weights(model: torch.nn.Module, config: EngineConfig) -> bool:
+def _pack_weights(model: torch.nn.Module, config: EngineConfig, gguf_blocks: bool = False) -> bool:
     """Pack the weights for full decode batches as ``config.packed_gemm`` says (see EngineConfig);
-    True when they are packed. The model keeps the packs of the last engine built on it."""
+    True when they are packed. The model keeps the packs of the last engine built on it. With
+    ``gguf_blocks`` on, a full decode batch multiplies from the blocks, so auto does not pack."""
     if not hasattr(model, "pack_weights"):
         return False  # not minipaged's LlamaModel: nothing to pack
     from .model.llama import mkl_packing_available
@@ -162,7 +163,11 @@ def _pack_weights(model: torch.nn.Module, config: EngineConfig) -> bool:
                          "use packed_gemm=None (on where it can be) or False")
     if config.packed_gemm is None:
         # a batch of 1-3 rows is a matrix-vector product: packing does not pay there
-        on = possible and config.max_num_seqs >= 4 and _room_to_pack(model, p.device)
+        from .model.llama import GGUF_MATMUL_MAX_ROWS
+
+        covered = gguf_blocks and model.gguf_blocks_info()["layers"] == len(model.linears()) \
+            and config.max_num_seqs <= GGUF_MATMUL_MAX_ROWS
+        on = possible and not covered and config.max_num_seqs >= 4 and _room_to_pack(model, p.device)
     else:
         on = config.packed_gemm
     model.pack_weights([config.max_num_seqs] if on else ())
@@ -259,8 +264,8 @@ class LLMEngine:
         self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
         self.backend = get_backend(parts.attention, self.device)
         self.model.bind_attention(self.backend)
-        self.packed_gemm = _pack_weights(self.model, config)
         self.gguf_blocks = _use_gguf_blocks(self.model, config)
+        self.packed_gemm = _pack_weights(self.model, config, self.gguf_blocks)
         self.runner = ModelRunner(self.device)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}  # unfinished requests (finished ones are pruned)

@@ -60,21 +60,22 @@ def test_dequantize_is_gguf_quants_bit_for_bit(kind):
 def test_the_kernel_rebuilds_each_weight_exactly(kind):
     blocks = GGUFBlocks.from_file_rows(kind, random_rows(kind, 37, 128, seed=2))
     w = blocks.dequantize()
-    for rows in (1, 5, 16):  # unit rows pick the weights out one by one: a sum of one product is exact
-        eye = torch.eye(128)[:rows] if rows < 128 else torch.eye(128)
-        got = cpu_kernels.qmatmul(eye.contiguous(), blocks)
+    for rows in (1, 5, 6, 7, 16, 128):  # one-hot rows pick the weights out one by one, exactly
+        eye = torch.eye(128)[:rows].contiguous()
+        got = cpu_kernels.qmatmul(eye, blocks)
         assert torch.equal(got, w[:, :rows].T.contiguous()), f"{kind}: rebuilt weights differ at {rows} rows"
 
 
 @needs_kernels
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 15, 16, 20])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 8, 13, 20, 64])
 def test_the_kernel_is_an_fp32_matmul(kind, m):
-    blocks = GGUFBlocks.from_file_rows(kind, random_rows(kind, 70, 160, seed=m))
+    k = 320  # more than one 256-long stretch of the kernel's panel, and not a multiple of it
+    blocks = GGUFBlocks.from_file_rows(kind, random_rows(kind, 70, k, seed=m))  # 70 outputs: a part-filled last group
     w = blocks.dequantize()
     g = torch.Generator().manual_seed(m)
-    wide = torch.randn(m, 200, generator=g)
-    x = wide[:, 17:177]  # strided rows: a view into wider ones
+    wide = torch.randn(m, k + 40, generator=g)
+    x = wide[:, 17:17 + k]  # strided rows: a view into wider ones
     assert_fp32_close(cpu_kernels.qmatmul(x, blocks), x, w)
 
 

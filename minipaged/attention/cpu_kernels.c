@@ -22,6 +22,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 int minipaged_decode_abi(void) { return 5; }
 
@@ -53,6 +56,78 @@ void minipaged_exp_f32(const float *x, float *out, int64_t n) { /* for the accur
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) out[i] = fast_expf(x[i]);
 }
+
+#if defined(__AVX512F__)
+/* One sequence, head_dim 64, AVX-512: the same two passes as the portable loop below, with
+ * registers held across positions. Pass 1 walks the positions once, reading each whole cached
+ * K row (all KV heads, contiguous) for every query head; pass 2 goes KV head by KV head and
+ * keeps that group's query heads' outputs in registers (at most 4 heads x 4 registers), adding
+ * p * V row by row. scores: (H, L), filled here. */
+static void decode_seq_d64(const float *qs, const float *k_cache, const float *v_cache, const int32_t *table,
+                           int64_t L, int64_t H, int64_t H_kv, int64_t BS, float scale, float *scores, float *o) {
+    const int64_t G = H / H_kv, row = H_kv * 64, block = BS * row;
+    for (int64_t t = 0; t < L; t++) {
+        const int64_t b = t / BS, i = t % BS;
+        const float *krow = k_cache + (int64_t)table[b] * block + i * row;
+        if (t + 2 * BS < L) {
+            const float *ahead = k_cache + (int64_t)table[b + 2] * block + i * row;
+            for (int64_t c = 0; c < row; c += 16) _mm_prefetch((const char *)(ahead + c), _MM_HINT_T0);
+        }
+        const float *vnow = v_cache + (int64_t)table[b] * block + i * row;
+        for (int64_t c = 0; c < row; c += 16) _mm_prefetch((const char *)(vnow + c), _MM_HINT_T1);
+        for (int64_t g = 0; g < H_kv; g++) {
+            const float *k = krow + g * 64;
+            const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                         k3 = _mm512_loadu_ps(k + 48);
+            for (int64_t h = g * G; h < (g + 1) * G; h++) {
+                const float *qh = qs + h * 64;
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), k0);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16), k1, a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 32), k2, a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 48), k3, a);
+                scores[h * L + t] = _mm512_reduce_add_ps(a) * scale;
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; h++) { /* softmax per query head, max-subtracted */
+        float *sh = scores + h * L;
+        float m = sh[0];
+        for (int64_t t = 1; t < L; t++) m = sh[t] > m ? sh[t] : m;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < L; t++) {
+            sh[t] = fast_expf(sh[t] - m);
+            sum += sh[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < L; t++) sh[t] *= inv;
+    }
+    for (int64_t g = 0; g < H_kv; g++) {
+        for (int64_t h0 = g * G; h0 < (g + 1) * G; h0 += 4) {
+            const int64_t nh = (g + 1) * G - h0 < 4 ? (g + 1) * G - h0 : 4;
+            __m512 acc[4][4];
+            for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < L; t++) {
+                const float *v = v_cache + (int64_t)table[t / BS] * block + (t % BS) * row + g * 64;
+                const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                             v3 = _mm512_loadu_ps(v + 48);
+#define MP_ADD_HEAD(j)                                                      \
+    if (j < nh) {                                                           \
+        const __m512 p = _mm512_set1_ps(scores[(h0 + j) * L + t]);          \
+        acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);                      \
+        acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);                      \
+        acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);                      \
+        acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);                      \
+    }
+                MP_ADD_HEAD(0) MP_ADD_HEAD(1) MP_ADD_HEAD(2) MP_ADD_HEAD(3)
+#undef MP_ADD_HEAD
+            }
+            for (int64_t j = 0; j < nh; j++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + (h0 + j) * 64 + c * 16, acc[j][c]);
+        }
+    }
+}
+#endif
 
 int minipaged_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                                const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
@@ -88,6 +163,13 @@ int minipaged_paged_decode_f32(const float *q, const float *k_cache, const float
             free(scores);
             continue;
         }
+#if defined(__AVX512F__)
+        if (D == 64) {
+            decode_seq_d64(qs, k_cache, v_cache, table, L, H, H_kv, BS, scale, scores, o);
+            free(scores);
+            continue;
+        }
+#endif
         /* pass 1: scores; each position's row (all KV heads) is contiguous, read once */
         for (int64_t t = 0; t < L; t++) {
             const float *krow = k_cache + (int64_t)table[t / BS] * block + (t % BS) * row;
@@ -214,146 +296,296 @@ int minipaged_write_kv_f32(float *k_cache, float *v_cache, const float *k, const
     return 0;
 }
 
-/* ---- matmul on GGUF's quantized blocks (small batches: decode at batch 1, 2, ...) ----------
+/* ---- matmul on GGUF's quantized weights (decode batches) --------------------------------
  *
- * y (M, N) = x (M, K) @ W^T where W (N, K) is kept as llama.cpp stores it: blocks of 32 weights
- * along K, each a few bytes of small integers and one or two fp32 scales (their fp16 values,
- * widened once when the model is loaded). A block's weights are rebuilt in fp32 exactly as
- * gguf.quants dequantizes them (the fp32 copy the model keeps): an fp16 scale times a 4- or
- * 8-bit integer is exact in fp32, so each weight is rounded once (by the add of m, Q4_1) or not
- * at all, fused or not. So this is the same fp32 matmul over the same weights, reading 5-6x
- * fewer bytes: at batch 1 a token must read every weight once, and that is what bounds it.
+ * y (M, N) = x (M, K) @ W^T where W (N, K) is kept as the GGUF file's small integers and fp32
+ * scales (their fp16 values, widened once when the model is loaded), re-arranged for this
+ * kernel when the model is loaded (model/gguf_blocks.py): output features in groups of 16
+ * lanes, so one vector holds 16 neighbouring outputs' weights at one k. Each weight is rebuilt
+ * in fp32 exactly as gguf.quants dequantizes it (the fp32 copy the model keeps): an fp16 scale
+ * times a 4- or 8-bit integer is exact in fp32, so each weight is rounded once (by the add of m,
+ * Q4_1) or not at all. So this is the same fp32 matmul over the same weights, reading 5-6x
+ * fewer bytes (at batch 1 a token reads every weight once, and that bounds its speed).
  *
- *   kind 0, Q4_0: w = d * (q - 8),  q a nibble;      qs (N, K/32, 16) bytes; d (N, K/32)
- *   kind 1, Q4_1: w = d * q + m,    q a nibble;      qs (N, K/32, 16);       d, m (N, K/32)
- *   kind 2, Q8_0: w = q * d,        q a signed byte; qs (N, K/32, 32);       d (N, K/32)
- * Nibbles as in GGML: byte j of a block holds weight j (low 4 bits) and weight j + 16 (high).
+ * Layout, G = ceil(N / 16) groups, lane i of group g = output feature 16 g + i (lanes past N
+ * have zero scales, so zero weights):
+ *   kind 0, Q4_0: w = d * (q - 8)   qt (G, K/2, 16) bytes: byte i = q(k=2kk) | q(k=2kk+1) << 4
+ *   kind 1, Q4_1: w = d * q + m     qt as Q4_0;                   dt, mt (G, K/32, 16) fp32
+ *   kind 2, Q8_0: w = q * d         qt (G, K, 16) signed bytes;   dt (G, K/32, 16) fp32
  * x's rows are x_stride floats apart; y is (M, N) contiguous. Returns -1 for a bad kind or a K
- * that is not a multiple of 32. */
+ * that is not a multiple of 32, -2 when out of memory.
+ *
+ * Two loops, both with QM x 32 accumulators in registers (QM rows of x, two groups):
+ * - at most QM rows: each weight is rebuilt as it is used, straight from the stream;
+ * - more rows: a group pair's weights are rebuilt once into an fp32 panel (K x 32, in L2),
+ *   and every QM-row tile of x multiplies against it. */
 #define QBLOCK 32
-#define QAHEAD 8 /* rows ahead to prefetch */
-#define QROWS 8 /* rows of x per pass over a weight row: their 8 x 32 accumulators stay in registers */
-
-static inline void dequant_block(int kind, const uint8_t *qs, float d, float m, float *w) {
-    if (kind == 1) {
-#pragma omp simd
-        for (int j = 0; j < 16; j++) {
-            w[j] = d * (float)(qs[j] & 15) + m;
-            w[j + 16] = d * (float)(qs[j] >> 4) + m;
-        }
-    } else if (kind == 0) {
-#pragma omp simd
-        for (int j = 0; j < 16; j++) {
-            w[j] = d * (float)((int)(qs[j] & 15) - 8);
-            w[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
-        }
-    } else {
-        const int8_t *q8 = (const int8_t *)qs;
-#pragma omp simd
-        for (int j = 0; j < QBLOCK; j++) w[j] = (float)q8[j] * d;
-    }
-}
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* One block of one weight row against `ROWS` rows of x, AVX-512: the block's 32 weights are
- * rebuilt in two registers (as gguf.quants rebuilds them), then each
- * x row adds its 32 products into its own two accumulators. */
-static inline __attribute__((always_inline)) void qblock_avx512(int kind, const uint8_t *q, float d, float m,
-                                                                const float *x, int64_t x_stride, int ROWS,
-                                                                __m512 acc[][2]) {
-    __m512 w0, w1;
-    const __m512 vd = _mm512_set1_ps(d);
-    if (kind == 2) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)q);
-        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw))), vd);
-        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1))), vd);
-    } else {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
-        __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(raw, low));
-        __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
-        if (kind == 0) {
-            lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
-            hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
-        }
-        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), vd);
-        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), vd);
-        if (kind == 1) {
-            const __m512 vm = _mm512_set1_ps(m);
-            w0 = _mm512_add_ps(w0, vm);
-            w1 = _mm512_add_ps(w1, vm);
-        }
-    }
-    for (int r = 0; r < ROWS; r++) {
-        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * x_stride), acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * x_stride + 16), acc[r][1]);
-    }
-}
-
-/* y[r * N] for ROWS rows of x against one weight row of nb blocks. */
-static inline __attribute__((always_inline)) void qrow_avx512(int kind, const uint8_t *qrow, int64_t qbytes,
-                                                              const float *drow, const float *mrow, int64_t nb,
-                                                              const float *x, int64_t x_stride, float *y, int64_t N,
-                                                              int ROWS) {
-    __m512 acc[QROWS][2];
-    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++)
-        qblock_avx512(kind, qrow + b * qbytes, drow[b], mrow ? mrow[b] : 0.f, x + b * QBLOCK, x_stride, ROWS, acc);
-    for (int r = 0; r < ROWS; r++) y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
-}
+#ifndef QM
+#define QM 8
+#endif
+#ifndef QKC
+#define QKC 256 /* k per panel stretch: 256 x 32 floats = 32 KB, in L1 */
 #endif
 
-int minipaged_qmatmul_f32(const float *x, int64_t x_stride, const uint8_t *qs, const float *dscale,
-                          const float *mscale, int64_t kind, float *y, int64_t M, int64_t N, int64_t K) {
-    if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !mscale)) return -1;
-    const int64_t nb = K / QBLOCK, qbytes = kind == 2 ? QBLOCK : QBLOCK / 2;
-#pragma omp parallel for schedule(static) if (N * K * (M < 4 ? M : 4) > (1 << 15))
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *qrow = qs + n * nb * qbytes;
-        const float *drow = dscale + n * nb, *mrow = mscale ? mscale + n * nb : NULL;
-        if (n + QAHEAD < N) { /* a row is a few hundred bytes: ask for a later one while this one computes */
-            const char *qa = (const char *)(qs + (n + QAHEAD) * nb * qbytes);
-            for (int64_t c = 0; c < nb * qbytes; c += 64) __builtin_prefetch(qa + c);
-            for (int64_t c = 0; c < nb * 4; c += 64) __builtin_prefetch((const char *)(dscale + (n + QAHEAD) * nb) + c);
-            if (mscale)
-                for (int64_t c = 0; c < nb * 4; c += 64) __builtin_prefetch((const char *)(mscale + (n + QAHEAD) * nb) + c);
-        }
+static inline float q_weight(int kind, const uint8_t *qt, const float *dt, const float *mt, int64_t K, int64_t n,
+                             int64_t k) {
+    const int64_t g = n / 16, i = n % 16, b = k / QBLOCK;
+    const float d = dt[(g * (K / QBLOCK) + b) * 16 + i];
+    if (kind == 2) return (float)((const int8_t *)qt)[(g * K + k) * 16 + i] * d;
+    const uint8_t byte = qt[(g * (K / 2) + k / 2) * 16 + i];
+    const int q = (k & 1) ? byte >> 4 : byte & 15;
+    return kind == 1 ? d * (float)q + mt[(g * (K / QBLOCK) + b) * 16 + i] : d * (float)(q - 8);
+}
+
 #if defined(__AVX512F__)
-        int64_t m0 = 0;
-        for (; m0 + 8 <= M; m0 += 8)
-            qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x + m0 * x_stride, x_stride, y + m0 * N + n, N, 8);
-        if (M - m0 >= 4) {
-            qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x + m0 * x_stride, x_stride, y + m0 * N + n, N, 4);
-            m0 += 4;
+/* Weights of one group at k and k + 1 (nibble kinds) or at k alone (Q8_0: *w1 untouched). */
+static inline __attribute__((always_inline)) void q_lanes(int kind, const uint8_t *qt, int64_t K, int64_t g,
+                                                          int64_t k, __m512 vd, __m512 vm, __m512 *w0, __m512 *w1) {
+    if (kind == 2) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(qt + (g * K + k) * 16));
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), vd);
+        return;
+    }
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(qt + (g * (K / 2) + k / 2) * 16)), low = _mm_set1_epi8(15);
+    __m512i a = _mm512_cvtepu8_epi32(_mm_and_si128(raw, low));
+    __m512i b = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+    if (kind == 0) {
+        a = _mm512_sub_epi32(a, _mm512_set1_epi32(8));
+        b = _mm512_sub_epi32(b, _mm512_set1_epi32(8));
+    }
+    *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(a), vd);
+    *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(b), vd);
+    if (kind == 1) {
+        *w0 = _mm512_add_ps(*w0, vm);
+        *w1 = _mm512_add_ps(*w1, vm);
+    }
+}
+
+/* acc[r][h] += x[r][k] * w_h for the QM (or fewer: ROWS) rows of a tile. */
+#define Q_FMA_ROWS(ROWS, xr, k, wa, wb, two, OFF)                                            \
+    for (int r = 0; r < ROWS; r++) {                                                         \
+        const __m512 xv = _mm512_set1_ps(xr[r][k]);                                          \
+        acc[r + OFF][0] = _mm512_fmadd_ps(xv, wa, acc[r + OFF][0]);                          \
+        if (two) acc[r + OFF][1] = _mm512_fmadd_ps(xv, wb, acc[r + OFF][1]);                 \
+    }
+
+/* Rows m0 .. m0 + ROWS - 1 against group pair (g, g + 1), rebuilding weights as they stream. */
+static inline void q_prefetch_block(int kind, const uint8_t *qt, const float *dt, const float *mt, int64_t K,
+                                    int64_t G, int64_t g, int64_t b) {
+    if (g >= G) return;
+    const int64_t nb = K / QBLOCK, qb = kind == 2 ? QBLOCK * 16 : QBLOCK * 8; /* bytes of one block in a group */
+    const char *q = (const char *)qt + g * nb * qb + b * qb;
+    for (int64_t c = 0; c < qb; c += 64) _mm_prefetch(q + c, _MM_HINT_T0);
+    _mm_prefetch((const char *)(dt + (g * nb + b) * 16), _MM_HINT_T0);
+    if (mt) _mm_prefetch((const char *)(mt + (g * nb + b) * 16), _MM_HINT_T0);
+}
+
+/* The integers of one group at k and k + 1 (nibble kinds, Q4_0 minus its 8) or at k alone
+ * (Q8_0: *i1 untouched), as floats: the weights without their scales. */
+static inline __attribute__((always_inline)) void q_ints(int kind, const uint8_t *qt, int64_t K, int64_t g, int64_t k,
+                                                         __m512 *i0, __m512 *i1) {
+    if (kind == 2) {
+        *i0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qt + (g * K + k) * 16))));
+        return;
+    }
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(qt + (g * (K / 2) + k / 2) * 16)), low = _mm_set1_epi8(15);
+    __m512i a = _mm512_cvtepu8_epi32(_mm_and_si128(raw, low));
+    __m512i b = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+    if (kind == 0) {
+        a = _mm512_sub_epi32(a, _mm512_set1_epi32(8));
+        b = _mm512_sub_epi32(b, _mm512_set1_epi32(8));
+    }
+    *i0 = _mm512_cvtepi32_ps(a);
+    *i1 = _mm512_cvtepi32_ps(b);
+}
+
+/* Rows 0 .. ROWS - 1 (at most QM) against group pair (g, g + 1), straight from the stream. Per
+ * block: s = sum over its 32 k of x * q, then acc += d * s (+ m * sum of x, Q4_1): the same
+ * sum as over the rebuilt weights d q + m, with the scales applied once per block, so that each
+ * weight costs no multiply of its own. A one-hot x still gives each weight exactly. */
+static inline __attribute__((always_inline)) void q_tile_stream(int kind, const uint8_t *qt, const float *dt,
+                                                                const float *mt, const float *const *xr, int ROWS,
+                                                                int64_t K, int64_t G, int64_t g, int two,
+                                                                __m512 acc[][2]) {
+    const int64_t nb = K / QBLOCK;
+    const int ODD = ROWS <= QM / 2 ? QM / 2 : 0; /* a few rows: odd k get their own sums, more FMAs in flight */
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        q_prefetch_block(kind, qt, dt, mt, K, G, g + 2, b); /* the next pair's block b, while this one computes */
+        q_prefetch_block(kind, qt, dt, mt, K, G, g + 3, b);
+        __m512 sums[QM][2];
+        for (int r = 0; r < QM; r++) sums[r][0] = sums[r][1] = zero;
+#define acc sums
+        for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k += 2) {
+            __m512 a0, b0, a1 = zero, b1 = zero;
+            if (kind == 2) {
+                q_ints(kind, qt, K, g, k, &a0, &b0);
+                q_ints(kind, qt, K, g, k + 1, &b0, &a1);
+                a1 = zero;
+                if (two) {
+                    q_ints(kind, qt, K, g + 1, k, &a1, &b1);
+                    q_ints(kind, qt, K, g + 1, k + 1, &b1, &b1);
+                }
+            } else {
+                q_ints(kind, qt, K, g, k, &a0, &b0);
+                if (two) q_ints(kind, qt, K, g + 1, k, &a1, &b1);
+            }
+            Q_FMA_ROWS(ROWS, xr, k, a0, a1, two, 0)
+            Q_FMA_ROWS(ROWS, xr, k + 1, b0, b1, two, ODD)
         }
-        if (M - m0 >= 2) {
-            qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x + m0 * x_stride, x_stride, y + m0 * N + n, N, 2);
-            m0 += 2;
+#undef acc
+        const __m512 d0 = _mm512_loadu_ps(dt + (g * nb + b) * 16);
+        const __m512 d1 = two ? _mm512_loadu_ps(dt + ((g + 1) * nb + b) * 16) : zero;
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 s0 = ODD ? _mm512_add_ps(sums[r][0], sums[r + ODD][0]) : sums[r][0];
+            const __m512 s1 = ODD ? _mm512_add_ps(sums[r][1], sums[r + ODD][1]) : sums[r][1];
+            acc[r][0] = _mm512_fmadd_ps(d0, s0, acc[r][0]);
+            if (two) acc[r][1] = _mm512_fmadd_ps(d1, s1, acc[r][1]);
         }
-        if (M - m0 >= 1)
-            qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x + m0 * x_stride, x_stride, y + m0 * N + n, N, 1);
-#else
-        for (int64_t m0 = 0; m0 < M; m0 += QROWS) {
-            const int64_t rows = M - m0 < QROWS ? M - m0 : QROWS;
-            float acc[QROWS][QBLOCK];
-            memset(acc, 0, sizeof acc);
-            for (int64_t b = 0; b < nb; b++) {
-                float w[QBLOCK];
-                dequant_block((int)kind, qrow + b * qbytes, drow[b], mrow ? mrow[b] : 0.f, w);
-                for (int64_t r = 0; r < rows; r++) {
-                    const float *xr = x + (m0 + r) * x_stride + b * QBLOCK;
-#pragma omp simd
-                    for (int j = 0; j < QBLOCK; j++) acc[r][j] = fmaf(w[j], xr[j], acc[r][j]);
+        if (mt) {
+            const __m512 m0 = _mm512_loadu_ps(mt + (g * nb + b) * 16);
+            const __m512 m1 = two ? _mm512_loadu_ps(mt + ((g + 1) * nb + b) * 16) : zero;
+            for (int r = 0; r < ROWS; r++) {
+                const float *xb = xr[r] + b * QBLOCK;
+                const __m512 xs = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16))));
+                acc[r][0] = _mm512_fmadd_ps(m0, xs, acc[r][0]);
+                if (two) acc[r][1] = _mm512_fmadd_ps(m1, xs, acc[r][1]);
+            }
+        }
+    }
+}
+
+/* The same against an fp32 panel (K x 32: groups g and g + 1 side by side). */
+static inline __attribute__((always_inline)) void q_tile_panel(const float *panel, const float *const *xr, int ROWS,
+                                                               int64_t K, __m512 acc[][2]) {
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 wa = _mm512_load_ps(panel + k * 32), wb = _mm512_load_ps(panel + k * 32 + 16);
+        Q_FMA_ROWS(ROWS, xr, k, wa, wb, 1, 0)
+    }
+}
+
+static void q_store(float *y, int64_t N, int64_t m0, int rows, int64_t n0, __m512 acc[][2]) {
+    const int64_t left = N - n0;
+    const __mmask16 k0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    const __mmask16 k1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+    for (int r = 0; r < rows; r++) {
+        _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, k0, acc[r][0]);
+        if (k1) _mm512_mask_storeu_ps(y + (m0 + r) * N + n0 + 16, k1, acc[r][1]);
+    }
+}
+
+/* rows (1 .. QM) as a constant, so that each tile height gets its own unrolled loop */
+#define Q_DISPATCH(CALL)                                                                     \
+    switch (rows) {                                                                          \
+    case 12: CALL(12 <= QM ? 12 : 1); break;                                                 \
+    case 11: CALL(11 <= QM ? 11 : 1); break;                                                 \
+    case 10: CALL(10 <= QM ? 10 : 1); break;                                                 \
+    case 9: CALL(9 <= QM ? 9 : 1); break;                                                    \
+    case 8: CALL(8 <= QM ? 8 : 1); break;                                                    \
+    case 7: CALL(7 <= QM ? 7 : 1); break;                                                    \
+    case 6: CALL(6 <= QM ? 6 : 1); break;                                                    \
+    case 5: CALL(5); break;                                                                  \
+    case 4: CALL(4); break;                                                                  \
+    case 3: CALL(3); break;                                                                  \
+    case 2: CALL(2); break;                                                                  \
+    default: CALL(1); break;                                                                 \
+    }
+
+static int qmatmul_avx512(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
+                          int kind, float *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t G = (N + 15) / 16, pairs = (G + 1) / 2, nb = K / QBLOCK;
+    int bad = 0;
+#pragma omp parallel reduction(| : bad) if (pairs > 1 && M * N * K > (1 << 17))
+    {
+        /* more rows than one tile: the pair's weights are rebuilt once per QKC-long stretch of k
+         * into an fp32 panel that stays in L1, and each tile's accumulators wait in accs */
+        const int panelled = M > QM;
+        float *panel = panelled ? (float *)aligned_alloc(64, sizeof(float) * 32 * QKC) : NULL;
+        float *accs = panelled ? (float *)aligned_alloc(64, sizeof(float) * 32 * ((M + QM - 1) / QM) * QM) : NULL;
+        if (panelled && (!panel || !accs)) bad = 1;
+#pragma omp for schedule(static)
+        for (int64_t pr = 0; pr < pairs; pr++) {
+            if (panelled && (!panel || !accs)) continue;
+            const int64_t g = 2 * pr;
+            const int two = g + 1 < G;
+            if (!panelled) {
+                const int rows = (int)M;
+                const float *xr[QM];
+                for (int r = 0; r < QM; r++) xr[r] = x + (r < rows ? r : rows - 1) * x_stride;
+                __m512 acc[QM][2];
+                for (int r = 0; r < QM; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+#define Q_STREAM(R) q_tile_stream(kind, qt, dt, mt, xr, R, K, G, g, two, acc)
+                Q_DISPATCH(Q_STREAM)
+#undef Q_STREAM
+                q_store(y, N, 0, rows, g * 16, acc);
+                continue;
+            }
+            const __m512 zero = _mm512_setzero_ps();
+            for (int64_t k0 = 0; k0 < K; k0 += QKC) {
+                const int64_t kc = K - k0 < QKC ? K - k0 : QKC;
+                for (int64_t h = 0; h < 2; h++) { /* rebuild this stretch of the pair's weights */
+                    if (h == 1 && !two) {
+                        for (int64_t k = 0; k < kc; k++) _mm512_store_ps(panel + k * 32 + 16, zero);
+                        break;
+                    }
+                    for (int64_t b = k0 / QBLOCK; b < (k0 + kc) / QBLOCK; b++) {
+                        q_prefetch_block(kind, qt, dt, mt, K, G, g + h + 2, b);
+                        const __m512 d = _mm512_loadu_ps(dt + ((g + h) * nb + b) * 16);
+                        const __m512 m = mt ? _mm512_loadu_ps(mt + ((g + h) * nb + b) * 16) : zero;
+                        for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k += (kind == 2 ? 1 : 2)) {
+                            __m512 w0, w1;
+                            q_lanes(kind, qt, K, g + h, k, d, m, &w0, &w1);
+                            _mm512_store_ps(panel + (k - k0) * 32 + h * 16, w0);
+                            if (kind != 2) _mm512_store_ps(panel + (k + 1 - k0) * 32 + h * 16, w1);
+                        }
+                    }
+                }
+                for (int64_t m0 = 0, t = 0; m0 < M; m0 += QM, t++) {
+                    const int rows = (int)(M - m0 < QM ? M - m0 : QM);
+                    const float *xr[QM];
+                    for (int r = 0; r < QM; r++) xr[r] = x + (m0 + (r < rows ? r : rows - 1)) * x_stride + k0;
+                    float *keep = accs + t * QM * 32;
+                    __m512 acc[QM][2];
+                    for (int r = 0; r < QM; r++) {
+                        acc[r][0] = k0 ? _mm512_load_ps(keep + r * 32) : zero;
+                        acc[r][1] = k0 ? _mm512_load_ps(keep + r * 32 + 16) : zero;
+                    }
+#define Q_PANEL(R) q_tile_panel(panel, xr, R, kc, acc)
+                    Q_DISPATCH(Q_PANEL)
+#undef Q_PANEL
+                    if (k0 + kc < K) {
+                        for (int r = 0; r < QM; r++) {
+                            _mm512_store_ps(keep + r * 32, acc[r][0]);
+                            _mm512_store_ps(keep + r * 32 + 16, acc[r][1]);
+                        }
+                    } else {
+                        q_store(y, N, m0, rows, g * 16, acc);
+                    }
                 }
             }
-            for (int64_t r = 0; r < rows; r++) {
-                float s = 0.f;
-                for (int j = 0; j < QBLOCK; j++) s += acc[r][j];
-                y[(m0 + r) * N + n] = s;
-            }
         }
-#endif
+        free(panel);
+        free(accs);
     }
-    return 0;
+    return bad ? -2 : 0;
 }
+#endif
 
+int minipaged_qmatmul_f32(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
+                          int64_t kind, float *y, int64_t M, int64_t N, int64_t K) {
+    if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !mt)) return -1;
+#if defined(__AVX512F__)
+    return qmatmul_avx512(x, x_stride, qt, dt, mt, (int)kind, y, M, N, K);
+#else
+    /* portable: one output at a time, weights rebuilt by the same rule */
+#pragma omp parallel for schedule(static) if (M * N * K > (1 << 17))
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t r = 0; r < M; r++) {
+            const float *xr = x + r * x_stride;
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++) acc += xr[k] * q_weight((int)kind, qt, dt, mt, K, n, k);
+            y[r * N + n] = acc;
+        }
+    return 0;
+#endif
+}

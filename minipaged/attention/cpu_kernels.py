@@ -12,8 +12,9 @@ computes the padding. The kernel reads each cached row once, where it lies, thro
 - Cached by a hash of the source, the flags and this CPU's feature flags, under
   ``$MINIPAGED_CACHE_DIR``, else ``$XDG_CACHE_HOME/minipaged``, else ``~/.cache/minipaged``
   (a temporary folder when none of those is writable).
-- No compiler, a failed build, or ``MINIPAGED_CPU_KERNELS=0`` in the environment: ``available()``
-  is False, ``why_not()`` says why, and the PyTorch path runs instead. Results agree to fp32 rounding.
+- No compiler, a failed build, or ``MINIPAGED_CPU_KERNELS=0`` in the environment (read at the
+  first use): ``available()`` is False, ``why_not()`` says why, and the PyTorch path runs
+  instead. Results agree to fp32 rounding.
 """
 from __future__ import annotations
 
@@ -130,19 +131,25 @@ def _build() -> ctypes.CDLL:
 
 
 def available() -> bool:
-    """True when the kernel is built and loaded (builds it on the first call)."""
-    global _lib, _reason, _tried
-    if os.environ.get(_ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
-        _reason = f"{_ENV_SWITCH}=0 is set"
-        return False
+    """True when the kernel is built and loaded (builds it on the first call). Called on every
+    layer's every op, so after the first call it is one check: ``MINIPAGED_CPU_KERNELS`` is
+    read at that first call (set it before the process starts, or before first use)."""
     if _tried:
         return _lib is not None
+    return _first_use()
+
+
+def _first_use() -> bool:
+    global _lib, _reason, _tried
     with _lock:
         if not _tried:
-            try:
-                _lib, _reason = _build(), None
-            except Exception as e:  # any failure means: use the PyTorch path
-                _lib, _reason = None, str(e)
+            if os.environ.get(_ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+                _lib, _reason = None, f"{_ENV_SWITCH}=0 is set"
+            else:
+                try:
+                    _lib, _reason = _build(), None
+                except Exception as e:  # any failure means: use the PyTorch path
+                    _lib, _reason = None, str(e)
             _tried = True
     return _lib is not None
 
@@ -252,9 +259,9 @@ _QKIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 
 
 def qmatmul(x: torch.Tensor, blocks) -> torch.Tensor:
-    """x (M, K) fp32 @ W^T -> (M, N), W given as its GGUF blocks (a model.gguf_blocks.GGUFBlocks):
-    each block's fp32 weights are rebuilt exactly as gguf.quants makes them, then multiplied in
-    fp32. Meant for small M (decode at batch 1 to 16): it reads a fifth of the fp32 bytes."""
+    """x (M, K) fp32 @ W^T -> (M, N), W given as its GGUF integers and scales (a
+    model.gguf_blocks.GGUFBlocks): each fp32 weight is rebuilt exactly as gguf.quants makes it,
+    then multiplied in fp32. It reads a fifth of the fp32 weights' bytes."""
     if not available():
         raise RuntimeError(f"the CPU kernels are not available: {why_not()}")
     N, K = blocks.shape
@@ -262,13 +269,17 @@ def qmatmul(x: torch.Tensor, blocks) -> torch.Tensor:
         raise ValueError(f"x must be fp32 (M, {K}) on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    for t in (blocks.qs, blocks.d, blocks.m):
+    for t in (blocks.qt, blocks.dt, blocks.mt):
         if t is not None and not t.is_contiguous():
             raise ValueError("GGUF blocks must be contiguous")
     y = torch.empty(x.shape[0], N, dtype=torch.float32)
-    rc = _lib.minipaged_qmatmul_f32(x.data_ptr(), x.stride(0), blocks.qs.data_ptr(), blocks.d.data_ptr(),
-                                    None if blocks.m is None else blocks.m.data_ptr(), _QKIND[blocks.kind],
+    if x.shape[0] == 0:
+        return y
+    rc = _lib.minipaged_qmatmul_f32(x.data_ptr(), x.stride(0), blocks.qt.data_ptr(), blocks.dt.data_ptr(),
+                                    None if blocks.mt is None else blocks.mt.data_ptr(), _QKIND[blocks.kind],
                                     y.data_ptr(), x.shape[0], N, K)
+    if rc == -2:
+        raise MemoryError("the GGUF matmul could not allocate its weight panel")
     if rc != 0:
         raise ValueError(f"{blocks.kind} blocks of a ({N}, {K}) weight: K must be a multiple of 32")
     return y

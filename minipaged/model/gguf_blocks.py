@@ -1,24 +1,32 @@
-"""A GGUF weight kept as its quantized blocks, beside the fp32 copy the model computes with.
+"""A GGUF weight kept as its quantized integers and scales, beside the fp32 copy the model computes with.
 
 Owns the layout the CPU kernel ``cpu_kernels.qmatmul`` reads, and the rule that rebuilds fp32
-weights from it. Why keep the blocks: at batch 1 a decode step must read every weight once, so
-its speed is bytes / memory bandwidth. The default model's fp32 copies are 538 MB; its GGUF
-blocks are 98 MB. The kernel rebuilds each block's 32 fp32 weights exactly as ``gguf.quants``
-dequantizes them (the very values of the fp32 copy: a product, then a sum, each rounded), and
-then does the same fp32 multiply-adds. Only the order of the sums differs from MKL's.
+weights from it. Why keep them: a decode step must read every weight once, so at small
+batches its speed is bytes / memory bandwidth, and at batch 64 the fp32 weights (538 MB for
+the default model) stream from memory every step. The file's integers and scales are 98 MB.
+The kernel rebuilds each fp32 weight exactly as ``gguf.quants`` dequantizes it (the very value
+of the fp32 copy), then does the same fp32 multiply-adds; only the order of the sums differs
+from MKL's.
 
-Kinds (llama.cpp's names; blocks of 32 weights along a row, ``q`` the stored integers):
+Kinds (llama.cpp's names; the file stores blocks of 32 weights along a row, ``q`` the integers):
 
-=====  ===================  =====================  ====================
-kind   weight               qs per block           scales
-=====  ===================  =====================  ====================
-Q4_0   d * (q - 8)          16 bytes, 2 nibbles    d
-Q4_1   d * q + m            16 bytes, 2 nibbles    d, m
-Q8_0   q * d                32 signed bytes        d
-=====  ===================  =====================  ====================
+=====  ===================  ============================  ==========
+kind   weight               integers                      scales
+=====  ===================  ============================  ==========
+Q4_0   d * (q - 8)          4 bits                        d
+Q4_1   d * q + m            4 bits                        d, m
+Q8_0   q * d                8 bits, signed                d
+=====  ===================  ============================  ==========
 
-Byte j of a nibble block holds weight j in its low 4 bits and weight j + 16 in its high 4 bits.
-The fp16 scales are widened to fp32 once, here (exactly: every fp16 value is an fp32 value).
+The file's layout (per row: blocks of fp16 scale(s), then 16 bytes whose low nibbles are
+weights 0-15 and high nibbles weights 16-31) is re-arranged once, at load, for the kernel:
+output features in groups of 16 lanes, so that one vector holds 16 neighbouring outputs'
+weights at one input index k (G = ceil(N / 16) groups; lanes past N have zero scales):
+
+- ``qt``: Q4_0/Q4_1 (G, K/2, 16) bytes, byte i = q(lane i, k = 2kk) | q(lane i, 2kk + 1) << 4;
+  Q8_0 (G, K, 16) signed bytes;
+- ``dt`` and (Q4_1 only) ``mt``: (G, K/32, 16) float32, the fp16 scales widened exactly.
+
 Other kinds (K-quants, F16, ...) are not kept: those layers use the fp32 copy only.
 """
 from __future__ import annotations
@@ -35,21 +43,22 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # as stored in the file: fp
 
 @dataclass(frozen=True)
 class GGUFBlocks:
-    """One (out_features, in_features) weight as blocks: ``qs`` uint8 (N, K/32, 16 or 32),
-    ``d`` and (Q4_1 only) ``m`` float32 (N, K/32)."""
+    """One (out_features, in_features) weight in the kernel's layout (see the module docstring)."""
 
     kind: str
-    qs: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor | None
+    qt: torch.Tensor
+    dt: torch.Tensor
+    mt: torch.Tensor | None
+    out_features: int
+    in_features: int
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qs.shape[0], self.qs.shape[1] * QBLOCK
+        return self.out_features, self.in_features
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.qt, self.dt, self.mt) if t is not None)
 
     @classmethod
     def from_file_rows(cls, kind: str, raw: np.ndarray) -> "GGUFBlocks":
@@ -59,27 +68,57 @@ class GGUFBlocks:
         raw = np.asarray(raw)
         if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % _BLOCK_BYTES[kind]:
             raise ValueError(f"{kind} rows must be uint8 (N, K/32 * {_BLOCK_BYTES[kind]}), got {raw.dtype} {raw.shape}")
-        b = raw.reshape(raw.shape[0], -1, _BLOCK_BYTES[kind])
+        n = raw.shape[0]
+        b = raw.reshape(n, -1, _BLOCK_BYTES[kind])
+        nb = b.shape[1]
+        k = nb * QBLOCK
+        groups = -(-n // 16)
+
+        def lanes(a: np.ndarray) -> np.ndarray:  # (N, X) -> (G, X, 16), zero lanes past N
+            padded = np.zeros((groups * 16, a.shape[1]), dtype=a.dtype)
+            padded[:n] = a
+            return np.ascontiguousarray(padded.reshape(groups, 16, a.shape[1]).transpose(0, 2, 1))
 
         def scale(i: int) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(b[..., i:i + 2]).view(np.float16)[..., 0].astype(np.float32))
+            values = np.ascontiguousarray(b[..., i:i + 2]).view(np.float16)[..., 0].astype(np.float32)  # (N, nb)
+            return torch.from_numpy(lanes(values))
 
-        first_q = 4 if kind == "Q4_1" else 2
-        qs = torch.from_numpy(np.ascontiguousarray(b[..., first_q:]))
-        return cls(kind, qs, scale(0), scale(2) if kind == "Q4_1" else None)
+        if kind == "Q8_0":
+            q = np.ascontiguousarray(b[..., 2:]).reshape(n, k)  # the int8 bytes, as they are
+            return cls(kind, torch.from_numpy(lanes(q)), scale(0), None, n, k)
+        first = 4 if kind == "Q4_1" else 2
+        packed = b[..., first:]  # (N, nb, 16): low nibbles weights 0-15, high nibbles 16-31
+        q = np.concatenate([packed & 15, packed >> 4], axis=-1).reshape(n, k)  # (N, K), 0..15
+        ql = lanes(q)  # (G, K, 16)
+        qt = ql[:, 0::2, :] | (ql[:, 1::2, :] << 4)
+        return cls(kind, torch.from_numpy(np.ascontiguousarray(qt)), scale(0),
+                   scale(2) if kind == "Q4_1" else None, n, k)
 
     def permute_rows(self, order: np.ndarray) -> "GGUFBlocks":
         """The same weight with its rows (output features) reordered: row i of the result is row order[i]."""
         idx = torch.as_tensor(np.asarray(order), dtype=torch.long)
-        return GGUFBlocks(self.kind, self.qs[idx].contiguous(), self.d[idx].contiguous(),
-                          None if self.m is None else self.m[idx].contiguous())
+        if sorted(idx.tolist()) != list(range(self.out_features)):
+            raise ValueError("order must be a permutation of the rows")
+
+        def rows_of(t: torch.Tensor) -> torch.Tensor:  # (G, X, 16) -> (N, X)
+            return t.permute(0, 2, 1).reshape(-1, t.shape[1])[: self.out_features]
+
+        def lanes(rows: torch.Tensor) -> torch.Tensor:  # (N, X) -> (G, X, 16)
+            g = -(-self.out_features // 16)
+            padded = rows.new_zeros(g * 16, rows.shape[1])
+            padded[: self.out_features] = rows
+            return padded.view(g, 16, rows.shape[1]).permute(0, 2, 1).contiguous()
+
+        return GGUFBlocks(self.kind, lanes(rows_of(self.qt)[idx]), lanes(rows_of(self.dt)[idx]),
+                          None if self.mt is None else lanes(rows_of(self.mt)[idx]), self.out_features, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) float32, by the same rule as gguf.quants (for tests and for checking a copy)."""
-        N, K = self.shape
-        d = self.d[..., None]
+        n, k = self.shape
+        d = self.dt.repeat_interleave(QBLOCK, dim=1)  # (G, K, 16): each block's scale for its 32 k
         if self.kind == "Q8_0":
-            return (self.qs.view(torch.int8).float() * d).reshape(N, K)
-        q = torch.cat([self.qs & 15, self.qs >> 4], dim=-1).float()  # weights 0-15, then 16-31
-        w = d * (q - 8) if self.kind == "Q4_0" else d * q + self.m[..., None]
-        return w.reshape(N, K)
+            w = self.qt.view(torch.int8).float() * d
+        else:
+            q = torch.stack([self.qt & 15, self.qt >> 4], dim=2).reshape(self.qt.shape[0], k, 16).float()
+            w = d * (q - 8) if self.kind == "Q4_0" else d * q + self.mt.repeat_interleave(QBLOCK, dim=1)
+        return w.permute(0, 2, 1).reshape(-1, k)[:n].contiguous()

@@ -47,9 +47,10 @@ def _unchanged(t: torch.Tensor, signature: tuple) -> bool:
 
 
 # Batches of at most this many rows go through the GGUF blocks (cpu_kernels.qmatmul) when a
-# Linear keeps them and use_gguf_blocks is on: up to here reading 5-6x fewer bytes beats MKL on
-# the fp32 copy; above it MKL's GEMM wins (scripts/gguf_matmul_crossover.py measures both).
-GGUF_MATMUL_MAX_ROWS = 16
+# Linear keeps them and use_gguf_blocks is on: every decode batch, and prefill chunks up to
+# here, where reading a fifth of the bytes beats MKL's GEMM on the fp32 copy; longer prefill
+# chunks run at MKL's full GEMM rate (scripts/gguf_matmul_crossover.py measures both).
+GGUF_MATMUL_MAX_ROWS = 512
 
 
 class Linear(nn.Linear):
