@@ -100,6 +100,9 @@ def _info(args: argparse.Namespace) -> int:
     print("CPU kernels (decode attention, fused ops): " + ("built, in use for fp32 on the CPU" if why is None else
           f"not in use, the PyTorch path runs instead: {why}"))
     print("MKL packed weights (packed_gemm): " + ("available" if mkl_packing_available() else "not in this PyTorch"))
+    why_q = cpu_kernels.qmatmul_why_not()
+    print("GGUF matmul (gguf_blocks): " + ("built: fp32 GGUF models on the CPU multiply from the file's Q4_0/Q4_1/Q8_0 blocks"
+          if why_q is None else f"not in use, the fp32 copy serves instead: {why_q}"))
     try:
         from .model import default_model_path
 

@@ -188,12 +188,12 @@ def _use_gguf_blocks(model: torch.nn.Module, config: EngineConfig) -> bool:
     kept = model.gguf_blocks_info()["layers"]
     p = next(model.parameters())
     fits = p.device.type == "cpu" and p.dtype == torch.float32
-    if config.gguf_blocks and not (kept and fits and cpu_kernels.available()):
+    if config.gguf_blocks and not (kept and fits and cpu_kernels.qmatmul_fast()):
         why = ("the model keeps no GGUF blocks (load a Q4_0/Q4_1/Q8_0 GGUF file with load_model in fp32 on the CPU)"
                if not kept else f"the weights are {p.dtype} on {p.device}, not fp32 on the CPU" if not fits
-               else f"the CPU kernels are not available: {cpu_kernels.why_not()}")
+               else cpu_kernels.qmatmul_why_not())
         raise ValueError(f"gguf_blocks=True cannot be honoured: {why}; use gguf_blocks=None (on where it can be) or False")
-    on = config.gguf_blocks is not False and bool(kept) and fits and cpu_kernels.available()
+    on = config.gguf_blocks is not False and bool(kept) and fits and cpu_kernels.qmatmul_fast()
     model.use_gguf_blocks(GGUF_MATMUL_MAX_ROWS if on else 0)
     return on
 

@@ -58,7 +58,7 @@ def prefill_mode(request, monkeypatch):
 @pytest.mark.parametrize("layout", ["shuffled", "non_contiguous", "shared"])
 @pytest.mark.parametrize(
     "heads, kv_heads, head_dim, block_size",
-    [(4, 4, 32, 8), (9, 3, 64, 16), (8, 2, 64, 1), (8, 1, 128, 64), (6, 2, 24, 16)],
+    [(4, 4, 32, 8), (9, 3, 64, 16), (8, 2, 64, 1), (8, 1, 64, 16), (8, 1, 128, 64), (6, 2, 24, 16)],
 )
 def test_mixed_batch_decodes_first(layout, heads, kv_heads, head_dim, block_size, prefill_mode):
     """Decodes first (as the runner orders them), then full prefills and chunks over a cached prefix."""

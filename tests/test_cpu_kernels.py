@@ -214,6 +214,8 @@ def test_minipaged_info_says_whether_the_cpu_kernels_are_in_use(tmp_path):
     p = subprocess.run([sys.executable, "-m", "minipaged", "info"], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr
     assert "CPU kernels (decode attention, fused ops): not in use, the PyTorch path runs instead: MINIPAGED_CPU_KERNELS=0 is set" in p.stdout
+    assert ("GGUF matmul (gguf_blocks): not in use, the fp32 copy serves instead: the CPU kernels are not available: "
+            "MINIPAGED_CPU_KERNELS=0 is set") in p.stdout
 
 
 @needs_kernels

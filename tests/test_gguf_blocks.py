@@ -165,3 +165,48 @@ def test_gguf_blocks_true_is_refused_where_there_are_none():
         LLMEngine(_tiny(), None, num_blocks=16, gguf_blocks=True)
     eng = LLMEngine(_tiny(), None, num_blocks=16)  # auto: quietly off
     assert eng.gguf_blocks is False
+
+
+def test_the_portable_loop_gives_the_same_products_and_says_it_is_slow(tmp_path):
+    """Built without AVX-512 (a laptop, a Mac), the kernel keeps a plain loop over the same
+    layout: right, but far too slow to serve with, so it reports itself as not fast."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler")
+    so = tmp_path / "portable.so"
+    subprocess.run([cc, "-O2", "-fPIC", "-shared", str(cpu_kernels.SOURCE), "-o", str(so), "-lm"], check=True,
+                   capture_output=True, timeout=120)
+    lib = ctypes.CDLL(str(so))
+    assert lib.minipaged_qmatmul_fast() == 0
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.minipaged_qmatmul_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64]
+    for kind in sorted(KINDS):
+        blocks = GGUFBlocks.from_file_rows(kind, random_rows(kind, 21, 96, seed=7))
+        x = torch.randn(3, 96, generator=torch.Generator().manual_seed(7))
+        y = torch.empty(3, 21)
+        rc = lib.minipaged_qmatmul_f32(x.data_ptr(), 96, blocks.qt.data_ptr(), blocks.dt.data_ptr(),
+                                       None if blocks.mt is None else blocks.mt.data_ptr(), KINDS[kind], y.data_ptr(),
+                                       3, 21, 96)
+        assert rc == 0
+        assert_fp32_close(y, x, blocks.dequantize())
+
+
+@needs_kernels
+def test_without_the_fast_kernel_the_fp32_copy_serves(monkeypatch, smollm2):
+    from minipaged.engine import LLMEngine
+
+    model, tok = smollm2
+    monkeypatch.setattr(cpu_kernels, "qmatmul_fast", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "qmatmul", lambda *a: pytest.fail("the GGUF matmul ran where it is not fast"))
+    try:
+        with pytest.raises(ValueError, match="gguf_blocks=True cannot be honoured"):
+            LLMEngine(model, tok, num_blocks=16, gguf_blocks=True)
+        eng = LLMEngine(model, tok, num_blocks=16)
+        assert eng.gguf_blocks is False and model.gguf_blocks_info()["in_use"] is False
+        model.lm_head(torch.randn(2, model.config.hidden_size))  # the fp32 copy, not the blocks
+    finally:
+        model.use_gguf_blocks()

@@ -571,6 +571,16 @@ static int qmatmul_avx512(const float *x, int64_t x_stride, const uint8_t *qt, c
 }
 #endif
 
+/* 1 when the vectorized GGUF matmul is compiled in (AVX-512 here); the portable loop below is
+ * only for checking it: far too slow to serve with. */
+int minipaged_qmatmul_fast(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int minipaged_qmatmul_f32(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
                           int64_t kind, float *y, int64_t M, int64_t N, int64_t K) {
     if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !mt)) return -1;

@@ -124,6 +124,8 @@ def _build() -> ctypes.CDLL:
         lib.minipaged_write_kv_f32.restype = ctypes.c_int
         lib.minipaged_qmatmul_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64]
         lib.minipaged_qmatmul_f32.restype = ctypes.c_int
+        lib.minipaged_qmatmul_fast.argtypes = []
+        lib.minipaged_qmatmul_fast.restype = ctypes.c_int
         lib.minipaged_exp_f32.argtypes = [p, p, i64]
         lib.minipaged_exp_f32.restype = None
         return lib
@@ -258,6 +260,22 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 _QKIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 
 
+def qmatmul_fast() -> bool:
+    """True when the GGUF matmul is the vectorized one (built for a CPU with AVX-512). Elsewhere
+    the kernels keep only a portable loop, correct but far too slow to serve with, and the
+    model multiplies with its fp32 copy instead."""
+    return available() and bool(_lib.minipaged_qmatmul_fast())
+
+
+def qmatmul_why_not() -> str | None:
+    """Why the GGUF matmul does not serve here, or None when it does."""
+    if not available():
+        return f"the CPU kernels are not available: {why_not()}"
+    if not qmatmul_fast():
+        return "this CPU (or compiler) has no AVX-512, which the fast GGUF matmul is written for"
+    return None
+
+
 def qmatmul(x: torch.Tensor, blocks) -> torch.Tensor:
     """x (M, K) fp32 @ W^T -> (M, N), W given as its GGUF integers and scales (a
     model.gguf_blocks.GGUFBlocks): each fp32 weight is rebuilt exactly as gguf.quants makes it,
@@ -306,5 +324,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x
 
 
-__all__ = ["available", "why_not", "applies", "paged_decode", "fused_ops_apply", "rmsnorm", "silu_mul", "rope_", "qmatmul",
+__all__ = ["available", "why_not", "applies", "paged_decode", "fused_ops_apply", "rmsnorm", "silu_mul", "rope_", "qmatmul", "qmatmul_fast", "qmatmul_why_not",
            "write_kv_applies", "write_kv"]

@@ -111,7 +111,7 @@ class Linear(nn.Linear):
         if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
             if 1 <= x.shape[0] <= self.gguf_rows:
                 blocks = self.blocks
-                if blocks is not None and cpu_kernels.available() and not (x.requires_grad and torch.is_grad_enabled()):
+                if blocks is not None and cpu_kernels.qmatmul_fast() and not (x.requires_grad and torch.is_grad_enabled()):
                     y = cpu_kernels.qmatmul(x, blocks)
                     return y if self.bias is None else y.add_(self.bias)
             packs = self.__dict__.get("packed")
@@ -305,18 +305,22 @@ class LlamaModel(nn.Module):
 
     def use_gguf_blocks(self, max_rows: int | None = GGUF_MATMUL_MAX_ROWS) -> int:
         """Batches of at most ``max_rows`` rows multiply from the kept GGUF blocks (fp32 on a CPU,
-        with the C kernels built); 0 or None: never. Returns how many layers can."""
+        where ``cpu_kernels.qmatmul_fast()``); 0 or None: never. Returns how many layers will."""
         rows = int(max_rows or 0)
         if rows < 0:
             raise ValueError(f"max_rows must be >= 0, got {max_rows!r}")
         for module in self.linears():
             module.gguf_rows = rows
-        return sum(m.blocks is not None for m in self.linears()) if rows else 0
+        if not rows or not cpu_kernels.qmatmul_fast():
+            return 0
+        return sum(m.blocks is not None for m in self.linears())
 
     def gguf_blocks_info(self) -> dict:
         """Which layers keep GGUF blocks, and for which batches they are used."""
         kept = [m for m in self.linears() if m.blocks is not None]
-        return {"layers": len(kept), "of": len(self.linears()), "max_rows": self.lm_head.gguf_rows,
+        rows = self.lm_head.gguf_rows
+        return {"layers": len(kept), "of": len(self.linears()), "max_rows": rows,
+                "in_use": bool(kept) and rows > 0 and cpu_kernels.qmatmul_fast(),
                 "bytes": sum(m.blocks.nbytes for m in kept),
                 "kinds": sorted({m.blocks.kind for m in kept})}
 
