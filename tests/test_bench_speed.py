@@ -78,10 +78,20 @@ def test_a_skipped_system_gives_no_ratio_and_no_verdict():
     assert "llama_cpp_batch1   skipped: llama-cpp-python is not installed" in speed.format_summary(res)
     assert "memory-bound" not in speed.format_summary(res)
     res["batch1_bound"] = {"read_gbps": 20.0, "fp32_weight_bytes": 500e6, "fp32_tokens_per_s": 40.0,
-                           "gguf_bytes": 100e6, "gguf_tokens_per_s": 200.0}
+                           "gguf_bytes": 100e6, "gguf_tokens_per_s": 200.0,
+                           "minipaged_reads": "GGUF blocks (integers + fp32 scales)", "minipaged_weight_bytes": 125e6}
     line = speed.format_summary(res).splitlines()[-1]
-    assert line == ("batch 1 is memory-bound: 20.0 GB/s read / 500 MB of fp32 weights = at most 40 tok/s for minipaged; "
+    assert line == ("batch 1 is memory-bound: 20.0 GB/s read / 125 MB of weights (GGUF blocks (integers + fp32 scales)) "
+                    "= at most 160 tok/s for minipaged (with the fp32 copies: 40); "
                     "llama.cpp reads 100 MB of quantized weights: at most 200 tok/s"), line
+
+
+def test_the_gguf_matmul_gain_is_minipaged_over_its_fp32_run():
+    res = {"systems": {"minipaged": {"output_tokens_per_s": 600.0}, "minipaged_fp32": {"output_tokens_per_s": 480.0}},
+           "ceiling": {"tokens_per_s": 1000.0}}
+    assert speed.ratios(res)["gguf_matmul_gain"] == pytest.approx(1.25)
+    del res["systems"]["minipaged_fp32"]
+    assert "gguf_matmul_gain" not in speed.ratios(res)
 
 
 def test_timers_count_nested_time_once():

@@ -76,8 +76,9 @@ def chat_workload(tokenizer, num_requests: int = 64, max_tokens: int = 64) -> Wo
 
 # -- the systems ------------------------------------------------------------------------------
 def run_minipaged(model, tokenizer, requests: list[Request], max_num_seqs: int, max_num_batched_tokens: int,
-                  block_size: int = 16, attention: Any = "torch") -> dict:
-    """Serve every request at once (continuous batching, at most ``max_num_seqs`` together)."""
+                  block_size: int = 16, attention: Any = "torch", gguf_blocks: bool | None = None) -> dict:
+    """Serve every request at once (continuous batching, at most ``max_num_seqs`` together).
+    ``gguf_blocks=False``: every matmul on the fp32 copy (the "fp32" system: what the GGUF matmul buys)."""
     from ..engine import LLMEngine
 
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
@@ -88,7 +89,7 @@ def run_minipaged(model, tokenizer, requests: list[Request], max_num_seqs: int, 
         # The workload repeats 16 prompts: with prefix caching a later copy would skip its cached
         # blocks, which transformers and the ceiling (every prompt token counted) do not. Off, so
         # all three compute the same tokens.
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, gguf_blocks=gguf_blocks,
     )
     t0 = time.perf_counter()
     ids = [eng.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
@@ -101,7 +102,7 @@ def run_minipaged(model, tokenizer, requests: list[Request], max_num_seqs: int, 
     if any(len(o.token_ids) != r.max_tokens for o, r in zip(outs, requests)):
         raise RuntimeError(f"minipaged generated {got} tokens where {want} were asked for: the bench needs EOS ignored")
     return {"seconds": seconds, "output_tokens": got, "output_tokens_per_s": got / seconds, "steps": eng.num_steps,
-            "token_ids": [o.token_ids for o in outs]}
+            "gguf_blocks": eng.gguf_blocks, "packed_gemm": eng.packed_gemm, "token_ids": [o.token_ids for o in outs]}
 
 
 def run_transformers(hf_model, requests: list[Request], batch_size: int, pad_id: int = 0) -> dict:
@@ -223,18 +224,28 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
         run_minipaged(model, tok, wl.requests[:2], 2, 512, attention=attention)  # warm-up: first-call costs are not serving
     # The two systems take turns, ``repeats`` times, so that a slow spell of the machine hits both;
     # each reports its median run (every run is kept under "runs_tokens_per_s").
-    mp_runs, hf_runs, token_ids = [], [], None
+    mp_runs, fp32_runs, hf_runs, token_ids = [], [], [], None
     for _ in range(repeats):
         if "minipaged" in systems:
             d = run_minipaged(model, tok, wl.requests, batch_size, max_num_batched_tokens, attention=attention)
             token_ids = d.pop("token_ids")
             mp_runs.append(d)
+        if "fp32" in systems:
+            d = run_minipaged(model, tok, wl.requests, batch_size, max_num_batched_tokens, attention=attention,
+                              gguf_blocks=False)
+            d.pop("token_ids")
+            fp32_runs.append(d)
         if hf is not None:
             hf_runs.append(run_transformers(hf, wl.requests, batch_size))
     if mp_runs:
         S["minipaged"] = dict(_median_run(mp_runs), batch_size=batch_size, max_num_batched_tokens=max_num_batched_tokens,
                               attention=attention)
         _say("minipaged", S["minipaged"])
+    if fp32_runs:
+        S["minipaged_fp32"] = dict(_median_run(fp32_runs), batch_size=batch_size,
+                                   max_num_batched_tokens=max_num_batched_tokens, attention=attention)
+        _say("minipaged_fp32", S["minipaged_fp32"])
+    model.use_gguf_blocks()  # as load_model left it, whatever the last engine set
     if hf_runs:
         S["transformers"] = _median_run(hf_runs)
         _say("transformers", S["transformers"])
@@ -266,11 +277,16 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
         w = model_weights(model)
         fp32_bytes = 4 * (w["body"] + w["lm_head"])
         gguf_bytes = default_model_path().stat().st_size
+        info = model.gguf_blocks_info()
+        mine = info["bytes"] if info["in_use"] and info["layers"] == info["of"] else fp32_bytes
         res["batch1_bound"] = {
             "read_gbps": read / 1e9, "fp32_weight_bytes": fp32_bytes, "fp32_tokens_per_s": read / fp32_bytes,
             "gguf_bytes": gguf_bytes, "gguf_tokens_per_s": read / gguf_bytes,
+            "minipaged_reads": "GGUF blocks (integers + fp32 scales)" if info["in_use"] else "fp32 copies",
+            "minipaged_weight_bytes": mine, "minipaged_tokens_per_s": read / mine,
             "rule": "one token at batch 1 reads every weight once: tokens/s <= read bandwidth / weight bytes "
-                    "(fp32 copies for minipaged; the GGUF file's quantized blocks for llama.cpp)",
+                    "(minipaged: its GGUF blocks where it multiplies from them, else the fp32 copies; llama.cpp: "
+                    "the GGUF file's quantized blocks)",
         }
         reqs = wl.requests[:batch1_requests]
         S["minipaged_batch1"] = run_batch1_minipaged(model, tok, reqs, attention=attention)
@@ -314,6 +330,9 @@ def ratios(res: dict) -> dict:
         r["fraction_of_ceiling"] = mp / ceil
     if hf and ceil:
         r["transformers_fraction_of_ceiling"] = hf / ceil
+    f32 = S.get("minipaged_fp32", {}).get("output_tokens_per_s")
+    if mp and f32:
+        r["gguf_matmul_gain"] = mp / f32  # what multiplying from the GGUF blocks buys at batch 64
     b1, lc = S.get("minipaged_batch1", {}).get("output_tokens_per_s"), S.get("llama_cpp_batch1", {}).get("output_tokens_per_s")
     if b1 and lc:
         r["llama_cpp_batch1_slowdown"] = lc / b1  # how many times faster llama.cpp is at batch 1
@@ -342,15 +361,19 @@ def format_summary(res: dict) -> str:
     if "x_transformers" in r:
         lines.append(f"minipaged / transformers.generate at batch {S['transformers']['batch_size']}: {r['x_transformers']:.2f}x "
                      f"(goal {GOALS['x_transformers']}x)")
+    if "gguf_matmul_gain" in r:
+        lines.append(f"the GGUF matmul: {r['gguf_matmul_gain']:.2f}x minipaged on its fp32 copy (minipaged_fp32)")
     if "fraction_of_ceiling" in r:
         lines.append(f"minipaged at {r['fraction_of_ceiling'] * 100:.0f}% of the fp32 GEMM ceiling (goal {GOALS['fraction_of_ceiling'] * 100:.0f}%)")
     if "llama_cpp_batch1_slowdown" in r:
         lines.append(f"batch 1: llama.cpp is {r['llama_cpp_batch1_slowdown']:.2f}x minipaged (goal at most {GOALS['llama_cpp_batch1_slowdown_max']}x)")
     b = res.get("batch1_bound")
     if b:
-        lines.append(f"batch 1 is memory-bound: {b['read_gbps']:.1f} GB/s read / {b['fp32_weight_bytes'] / 1e6:.0f} MB of fp32 weights "
-                     f"= at most {b['fp32_tokens_per_s']:.0f} tok/s for minipaged; llama.cpp reads {b['gguf_bytes'] / 1e6:.0f} MB "
-                     f"of quantized weights: at most {b['gguf_tokens_per_s']:.0f} tok/s")
+        mine = b.get("minipaged_weight_bytes", b["fp32_weight_bytes"])
+        lines.append(f"batch 1 is memory-bound: {b['read_gbps']:.1f} GB/s read / {mine / 1e6:.0f} MB of weights "
+                     f"({b.get('minipaged_reads', 'fp32 copies')}) = at most {b['read_gbps'] * 1e9 / mine:.0f} tok/s for "
+                     f"minipaged (with the fp32 copies: {b['fp32_tokens_per_s']:.0f}); llama.cpp reads "
+                     f"{b['gguf_bytes'] / 1e6:.0f} MB of quantized weights: at most {b['gguf_tokens_per_s']:.0f} tok/s")
     return "\n".join(lines)
 
 
@@ -360,7 +383,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-size", type=int, default=64, help="minipaged's max_num_seqs and transformers' batch")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--batch1-requests", type=int, default=4, help="requests served one at a time for the batch-1 figures")
-    ap.add_argument("--systems", default="minipaged,transformers,batch1", help="comma-separated subset")
+    ap.add_argument("--systems", default="minipaged,transformers,batch1",
+                    help="comma-separated subset of minipaged, fp32 (minipaged on its fp32 weights only, "
+                         "without the GGUF matmul), transformers, batch1")
     ap.add_argument("--attention", default="torch", choices=["torch", "reference", "auto"])
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of minipaged and transformers, taking turns; each reports its median run (default 3)")
@@ -380,7 +405,7 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
         if v < 1:
             ap.error(f"{name} must be >= 1, got {v}")
     systems = tuple(s.strip() for s in a.systems.split(",") if s.strip())
-    unknown = set(systems) - {"minipaged", "transformers", "batch1"}
+    unknown = set(systems) - {"minipaged", "fp32", "transformers", "batch1"}
     if unknown:
         ap.error(f"unknown system(s) {sorted(unknown)}: choose from minipaged, transformers, batch1")
     res = run_speed(a.num_requests, a.max_tokens, a.batch_size, a.max_num_batched_tokens, a.batch1_requests, systems, a.attention,
