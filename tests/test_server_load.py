@@ -50,6 +50,12 @@ def server(tiny_hf_dir):
         yield srv
 
 
+# A client that hangs up asks for this many tokens: far more than the engine makes before the
+# server sees the closed connection, however fast the engine and however busy the event loop (at
+# 100 tokens, a fast engine finished some of them while their first chunk was still on its way).
+HANG_UP_TOKENS = 2000
+
+
 def _body(i: int, max_tokens: int = MAX_TOKENS) -> dict:
     return {"prompt": [3 + (i * 7 + k) % 500 for k in range(4 + i % 13)], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
@@ -84,7 +90,7 @@ async def _many(url: str, n: int, hang_up: set[int] = frozenset(), max_tokens: i
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         return await asyncio.gather(*[
-            _stream(client, url, _body(i, 100), 1) if i in hang_up else _stream(client, url, _body(i, max_tokens))
+            _stream(client, url, _body(i, HANG_UP_TOKENS), 1) if i in hang_up else _stream(client, url, _body(i, max_tokens))
             for i in range(n)])
 
 

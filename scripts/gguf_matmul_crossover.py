@@ -1,0 +1,69 @@
+"""Where the GGUF matmul beats MKL on the fp32 copies, and how close each gets to the GEMM rate.
+
+Times one decode step's worth of matmuls (every linear layer of the default model in turn, and
+the LM head) at each batch size M, two ways: ``cpu_kernels.qmatmul`` on the kept GGUF blocks,
+and PyTorch's ``F.linear`` (MKL) on the fp32 weights; and one layer's MLP up-projection in a loop
+(its weights stay in cache: the kernel's own rate). Prints GFLOP/s beside the fp32 1024^3 matmul
+rate. This is what ``GGUF_MATMUL_MAX_ROWS`` in model/llama.py rests on. Run it alone: two heavy
+jobs on a small machine distort every figure.
+
+    python scripts/gguf_matmul_crossover.py [--rows 1,4,8,16,64,256,512,2048]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def best(fn, repeats: int) -> float:
+    out = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out = min(out, time.perf_counter() - t)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,4,8,16,32,64,128,256,512,2048")
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    from minipaged.attention import cpu_kernels
+    from minipaged.bench.hardware import gemm_gflops
+    from minipaged.model import load_model
+
+    why = cpu_kernels.qmatmul_why_not()
+    if why:
+        print(f"the GGUF matmul does not run here: {why}", file=sys.stderr)
+        return 1
+    model, _ = load_model(None)
+    layers = [m for m in model.linears() if m.blocks is not None]
+    flops_per_row = 2 * sum(m.weight.numel() for m in layers)
+    gemm = gemm_gflops()
+    print(f"{len(layers)} linear layers with GGUF blocks ({', '.join(model.gguf_blocks_info()['kinds'])}); "
+          f"fp32 1024^3 matmul: {gemm:.0f} GFLOP/s")
+    print("| rows | GGUF matmul, whole step | MKL on fp32, whole step | GGUF / MKL | GGUF, one layer in a loop |")
+    print("|---|---|---|---|---|")
+    up = model.layers[0].mlp.up_proj
+    with torch.inference_mode():
+        for m in (int(r) for r in a.rows.split(",")):
+            xs = {k: torch.randn(m, k) for k in {lin.in_features for lin in layers}}
+            q = best(lambda: [cpu_kernels.qmatmul(xs[lin.in_features], lin.blocks) for lin in layers], a.repeats)
+            f = best(lambda: [F.linear(xs[lin.in_features], lin.weight) for lin in layers], a.repeats)
+            x = xs[up.in_features]
+            loops = max(1, 2000 // m)
+            one = best(lambda: [cpu_kernels.qmatmul(x, up.blocks) for _ in range(loops)], a.repeats) / loops
+            rate = lambda s, n=flops_per_row: n * m / s / 1e9  # noqa: E731
+            print(f"| {m} | {rate(q):.0f} GFLOP/s ({q * 1e3:.1f} ms, {rate(q) / gemm:.0%}) "
+                  f"| {rate(f):.0f} GFLOP/s ({f * 1e3:.1f} ms, {rate(f) / gemm:.0%}) | {f / q:.2f}x "
+                  f"| {2 * up.weight.numel() * m / one / 1e9:.0f} GFLOP/s ({2 * up.weight.numel() * m / one / 1e9 / gemm:.0%}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
