@@ -7,13 +7,15 @@ and PyTorch's ``F.linear`` (MKL) on the fp32 weights; and one layer's MLP up-pro
 rate. This is what ``GGUF_MATMUL_MAX_ROWS`` in model/llama.py rests on. Run it alone: two heavy
 jobs on a small machine distort every figure.
 
-    python scripts/gguf_matmul_crossover.py [--rows 1,4,8,16,64,256,512,2048]
+    python scripts/gguf_matmul_crossover.py [--rows 1,4,8,16,64,256,512,2048] [--out docs/figures/gguf_matmul.md]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,4,8,16,32,64,128,256,512,2048")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", help="also write the table here, as markdown with the command and the machine")
     a = ap.parse_args(argv)
     from minipaged.attention import cpu_kernels
     from minipaged.bench.hardware import gemm_gflops
     from minipaged.model import load_model
+    from minipaged.model.llama import GGUF_MATMUL_MAX_ROWS
 
     why = cpu_kernels.qmatmul_why_not()
     if why:
@@ -45,10 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     layers = [m for m in model.linears() if m.blocks is not None]
     flops_per_row = 2 * sum(m.weight.numel() for m in layers)
     gemm = gemm_gflops()
-    print(f"{len(layers)} linear layers with GGUF blocks ({', '.join(model.gguf_blocks_info()['kinds'])}); "
-          f"fp32 1024^3 matmul: {gemm:.0f} GFLOP/s")
-    print("| rows | GGUF matmul, whole step | MKL on fp32, whole step | GGUF / MKL | GGUF, one layer in a loop |")
-    print("|---|---|---|---|---|")
+    lines = [f"{len(layers)} linear layers with GGUF blocks ({', '.join(model.gguf_blocks_info()['kinds'])}); "
+             f"fp32 1024^3 matmul: {gemm:.0f} GFLOP/s; GGUF_MATMUL_MAX_ROWS = {GGUF_MATMUL_MAX_ROWS}", "",
+             "| rows | GGUF matmul, whole step | MKL on fp32, whole step | GGUF / MKL | GGUF, one layer in a loop |",
+             "|---|---|---|---|---|"]
+    for line in lines:
+        print(line)
     up = model.layers[0].mlp.up_proj
     with torch.inference_mode():
         for m in (int(r) for r in a.rows.split(",")):
@@ -59,9 +65,23 @@ def main(argv: list[str] | None = None) -> int:
             loops = max(1, 2000 // m)
             one = best(lambda: [cpu_kernels.qmatmul(x, up.blocks) for _ in range(loops)], a.repeats) / loops
             rate = lambda s, n=flops_per_row: n * m / s / 1e9  # noqa: E731
-            print(f"| {m} | {rate(q):.0f} GFLOP/s ({q * 1e3:.1f} ms, {rate(q) / gemm:.0%}) "
-                  f"| {rate(f):.0f} GFLOP/s ({f * 1e3:.1f} ms, {rate(f) / gemm:.0%}) | {f / q:.2f}x "
-                  f"| {2 * up.weight.numel() * m / one / 1e9:.0f} GFLOP/s ({2 * up.weight.numel() * m / one / 1e9 / gemm:.0%}) |")
+            lines.append(f"| {m} | {rate(q):.0f} GFLOP/s ({q * 1e3:.1f} ms, {rate(q) / gemm:.0%}) "
+                         f"| {rate(f):.0f} GFLOP/s ({f * 1e3:.1f} ms, {rate(f) / gemm:.0%}) | {f / q:.2f}x "
+                         f"| {2 * up.weight.numel() * m / one / 1e9:.0f} GFLOP/s "
+                         f"({2 * up.weight.numel() * m / one / 1e9 / gemm:.0%}) |")
+            print(lines[-1], flush=True)
+    if a.out:
+        import platform
+
+        head = ["# The GGUF matmul against MKL on the fp32 copies", "",
+                f"Command: `python scripts/gguf_matmul_crossover.py --out {a.out}` on {os.cpu_count()} CPU cores "
+                f"({platform.machine()}), torch {torch.__version__}, {torch.get_num_threads()} threads. A whole step: "
+                "every linear layer of the default model in turn and the LM head, x (rows, in) @ W^T; one layer in a "
+                "loop: layer 0's MLP up-projection again and again (its weights stay in cache). Percentages are of "
+                "the 1024^3 fp32 matmul rate measured in the same run.", ""]
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text("\n".join(head + lines) + "\n")
+        print(f"wrote {a.out}")
     return 0
 
 

@@ -495,7 +495,7 @@ static int qmatmul_avx512(const float *x, int64_t x_stride, const uint8_t *qt, c
                           int kind, float *y, int64_t M, int64_t N, int64_t K) {
     const int64_t G = (N + 15) / 16, pairs = (G + 1) / 2, nb = K / QBLOCK;
     int bad = 0;
-#pragma omp parallel reduction(| : bad) if (pairs > 1 && M * N * K > (1 << 17))
+#pragma omp parallel reduction(| : bad) if (pairs > 1 && M * N * K > (1 << 15))
     {
         /* more rows than one tile: the pair's weights are rebuilt once per QKC-long stretch of k
          * into an fp32 panel that stays in L1, and each tile's accumulators wait in accs */

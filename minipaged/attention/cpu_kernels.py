@@ -260,11 +260,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 _QKIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 
 
+_qfast: bool | None = None
+
+
 def qmatmul_fast() -> bool:
     """True when the GGUF matmul is the vectorized one (built for a CPU with AVX-512). Elsewhere
     the kernels keep only a portable loop, correct but far too slow to serve with, and the
-    model multiplies with its fp32 copy instead."""
-    return available() and bool(_lib.minipaged_qmatmul_fast())
+    model multiplies with its fp32 copy instead. (Asked on every small matmul: one check.)"""
+    global _qfast
+    if _qfast is None:
+        _qfast = available() and bool(_lib.minipaged_qmatmul_fast())
+    return _qfast
 
 
 def qmatmul_why_not() -> str | None:
@@ -282,20 +288,16 @@ def qmatmul(x: torch.Tensor, blocks) -> torch.Tensor:
     then multiplied in fp32. It reads a fifth of the fp32 weights' bytes."""
     if not available():
         raise RuntimeError(f"the CPU kernels are not available: {why_not()}")
-    N, K = blocks.shape
+    N, K = blocks.out_features, blocks.in_features
     if x.dim() != 2 or x.shape[1] != K or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be fp32 (M, {K}) on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    for t in (blocks.qt, blocks.dt, blocks.mt):
-        if t is not None and not t.is_contiguous():
-            raise ValueError("GGUF blocks must be contiguous")
     y = torch.empty(x.shape[0], N, dtype=torch.float32)
     if x.shape[0] == 0:
         return y
-    rc = _lib.minipaged_qmatmul_f32(x.data_ptr(), x.stride(0), blocks.qt.data_ptr(), blocks.dt.data_ptr(),
-                                    None if blocks.mt is None else blocks.mt.data_ptr(), _QKIND[blocks.kind],
-                                    y.data_ptr(), x.shape[0], N, K)
+    qt, dt, mt, kind = blocks.pointers  # checked and fixed when the blocks were made
+    rc = _lib.minipaged_qmatmul_f32(x.data_ptr(), x.stride(0), qt, dt, mt, kind, y.data_ptr(), x.shape[0], N, K)
     if rc == -2:
         raise MemoryError("the GGUF matmul could not allocate its weight panel")
     if rc != 0:

@@ -52,6 +52,27 @@ class GGUFBlocks:
     out_features: int
     in_features: int
 
+    def __post_init__(self) -> None:
+        g = -(-self.out_features // 16)
+        nb = self.in_features // QBLOCK
+        q_len = self.in_features if self.kind == "Q8_0" else self.in_features // 2
+        want = {"qt": (g, q_len, 16), "dt": (g, nb, 16), "mt": (g, nb, 16) if self.kind == "Q4_1" else None}
+        for name, shape in want.items():
+            t = getattr(self, name)
+            if shape is None:
+                if t is not None:
+                    raise ValueError(f"{self.kind} has no {name}")
+                continue
+            dtype = torch.uint8 if name == "qt" else torch.float32
+            if t is None or tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"{self.kind} {name} must be a contiguous {dtype} CPU tensor {shape}, got "
+                                 f"{None if t is None else (t.dtype, tuple(t.shape))}")
+        if self.in_features % QBLOCK or self.kind not in KINDS:
+            raise ValueError(f"{self.kind} blocks of {self.in_features} inputs: need a kind of {list(KINDS)} and a multiple of 32")
+        # what the kernel is handed on every call, worked out once (the tensors never change)
+        object.__setattr__(self, "pointers", (self.qt.data_ptr(), self.dt.data_ptr(),
+                                              None if self.mt is None else self.mt.data_ptr(), KINDS[self.kind]))
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features

@@ -50,7 +50,7 @@ def _unchanged(t: torch.Tensor, signature: tuple) -> bool:
 # Linear keeps them and use_gguf_blocks is on: every decode batch, and prefill chunks up to
 # here, where reading a fifth of the bytes beats MKL's GEMM on the fp32 copy; longer prefill
 # chunks run at MKL's full GEMM rate (scripts/gguf_matmul_crossover.py measures both).
-GGUF_MATMUL_MAX_ROWS = 512
+GGUF_MATMUL_MAX_ROWS = 256
 
 
 class Linear(nn.Linear):
@@ -109,9 +109,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
-            if 1 <= x.shape[0] <= self.gguf_rows:
+            if 1 <= x.shape[0] <= self.gguf_rows and cpu_kernels.qmatmul_fast():
                 blocks = self.blocks
-                if blocks is not None and cpu_kernels.qmatmul_fast() and not (x.requires_grad and torch.is_grad_enabled()):
+                if blocks is not None and not (x.requires_grad and torch.is_grad_enabled()):
                     y = cpu_kernels.qmatmul(x, blocks)
                     return y if self.bias is None else y.add_(self.bias)
             packs = self.__dict__.get("packed")
