@@ -175,9 +175,9 @@ def _pack_weights(model: torch.nn.Module, config: EngineConfig, gguf_blocks: boo
 
 
 def _use_gguf_blocks(model: torch.nn.Module, config: EngineConfig) -> bool:
-    """Let small batches multiply from the GGUF blocks as ``config.gguf_blocks`` says (see
-    EngineConfig); True when they do. Like packing, this is the model's state: the last engine
-    built on a model sets it."""
+    """Let batches of up to GGUF_MATMUL_MAX_ROWS rows multiply from the GGUF blocks as
+    ``config.gguf_blocks`` says (see EngineConfig); True when they do. Like packing, this is the
+    model's state: the last engine built on a model sets it."""
     if not hasattr(model, "use_gguf_blocks"):
         if config.gguf_blocks:
             raise ValueError("gguf_blocks=True needs minipaged's LlamaModel; use gguf_blocks=None or False")

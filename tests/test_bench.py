@@ -288,3 +288,25 @@ def test_bench_cli_json(tmp_path, smollm2_path):
 def test_readme_generated_blocks_are_current():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "update_readme.py"), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_bench_can_serve_on_the_fp32_weights_only(smollm2):
+    """``minipaged bench --fp32-weights`` (run_bench(gguf_blocks=False)) reaches every engine it builds."""
+    from minipaged.bench.baselines import run_system
+
+    model, _ = smollm2
+    try:
+        res = run_system(model, "continuous_paged", [([1, 2, 3, 4, 5], 3), ([6, 7, 8], 2)], num_blocks=8, reserve_tokens=16,
+                         gguf_blocks=False)
+        assert model.gguf_blocks_info()["max_rows"] == 0, "the engine did not get gguf_blocks=False"
+        assert sum(len(o) for o in res.outputs.values()) == 5
+        run_system(model, "naive", [([1, 2, 3], 2)], num_blocks=8, reserve_tokens=16)
+        assert model.gguf_blocks_info()["in_use"] == cpu_kernels_fast()
+    finally:
+        model.use_gguf_blocks()
+
+
+def cpu_kernels_fast() -> bool:
+    from minipaged.attention import cpu_kernels
+
+    return cpu_kernels.qmatmul_fast()

@@ -193,13 +193,16 @@ def serve(
 
 # -- building the systems ------------------------------------------------------------------
 def build_engine(model: Any, layout: str, num_blocks: int, reserve_tokens: int, block_size: int = 16,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 1024, attention: Any = "auto") -> Any:
-    """An LLMEngine with ``num_blocks`` KV blocks and the layout's block table (no tokenizer: token ids in)."""
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 1024, attention: Any = "auto",
+                 gguf_blocks: bool | None = None) -> Any:
+    """An LLMEngine with ``num_blocks`` KV blocks and the layout's block table (no tokenizer: token ids in).
+    ``gguf_blocks``: EngineConfig's (False: every matmul on the fp32 copies)."""
     from ..engine import LLMEngine
 
     return LLMEngine(
         model, None, block_table_cls=table_cls_for(layout, reserve_tokens), attention=attention, block_size=block_size,
         num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        gguf_blocks=gguf_blocks,
     )
 
 
@@ -219,15 +222,18 @@ def static_capacity(requests: Seq[Request], table_cls: type, allocator: Any, max
 
 def run_system(model: Any, system: str, requests: Seq[Request], num_blocks: int, reserve_tokens: int,
                arrivals: Seq[float] | None = None, block_size: int = 16, max_num_seqs: int = 256,
-               max_num_batched_tokens: int = 1024, attention: Any = "auto", progress: bool = False) -> ServeResult:
+               max_num_batched_tokens: int = 1024, attention: Any = "auto", progress: bool = False,
+               gguf_blocks: bool | None = None) -> ServeResult:
     """One cell of the factorial (``static_contiguous``, ..., ``continuous_paged``) or ``naive``."""
     if system == "naive":
-        eng = build_engine(model, "paged", num_blocks, reserve_tokens, block_size, 1, max_num_batched_tokens, attention)
+        eng = build_engine(model, "paged", num_blocks, reserve_tokens, block_size, 1, max_num_batched_tokens, attention,
+                           gguf_blocks)
         return serve(eng, requests, arrivals, "continuous", system=system, progress=progress)
     if system not in FACTORIAL:
         raise ValueError(f"unknown system {system!r}: use 'naive' or one of {FACTORIAL}")
     policy, layout = system.split("_")
-    eng = build_engine(model, layout, num_blocks, reserve_tokens, block_size, max_num_seqs, max_num_batched_tokens, attention)
+    eng = build_engine(model, layout, num_blocks, reserve_tokens, block_size, max_num_seqs, max_num_batched_tokens, attention,
+                       gguf_blocks)
     cap = None
     if policy == "static":
         cap = static_capacity(requests, table_cls_for(layout, reserve_tokens), eng.allocator, max_num_seqs)

@@ -214,6 +214,7 @@ def run_bench(
     shared_prefix: bool | None = None,
     seed: int = 0,
     progress: bool = True,
+    gguf_blocks: bool | None = None,
 ) -> dict:
     """Run every system on one workload with one KV budget: exactly what ``static_batch``
     contiguous max-length reservations take. ``naive_requests=None`` serves every request naively.
@@ -254,9 +255,11 @@ def run_bench(
     bpt = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype)
     budget_blocks = shape["static_batch"] * parts.cdiv(reserve_len, block_size)
     engine_kw = dict(num_blocks=budget_blocks, reserve_tokens=reserve_len, block_size=block_size,
-                     max_num_seqs=max(n, 1), max_num_batched_tokens=max_num_batched_tokens, attention=attention)
+                     max_num_seqs=max(n, 1), max_num_batched_tokens=max_num_batched_tokens, attention=attention,
+                     gguf_blocks=gguf_blocks)
     result: dict = {
         "quick": quick,
+        "gguf_blocks": gguf_blocks,  # None: the engine's default (on where it can be); False: fp32 weights only
         "workload": dict(wl.summary(), scaling=shape),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "threads": torch.get_num_threads()},
@@ -350,7 +353,7 @@ def run_bench(
         result["online"].update(naive_capacity_req_per_s=1.0 / per_req, rate_factors=list(rate_factors),
                                 workload=owl.summary())
     # The shared-prefix workload: prefix caching off vs on (TTFT, KV blocks), once the engine has it.
-    result["shared_prefix"] = measure_shared_prefix(model, block_size, seed, attention=attention) if shape["shared_prefix"] else {
+    result["shared_prefix"] = measure_shared_prefix(model, block_size, seed, attention=attention, gguf_blocks=gguf_blocks) if shape["shared_prefix"] else {
         "measured": False, "why": "not part of this run (the full bench measures it)"}
     result["_runs"] = runs
     return result
@@ -368,7 +371,7 @@ def shared_prefix_requests(num_requests: int, system_len: int, user_len: tuple[i
 
 def measure_shared_prefix(model: Any, block_size: int, seed: int, num_requests: int = 12, system_len: int = 256,
                   user_len: tuple[int, int] = (16, 48), max_tokens: int = 16, settings: tuple | None = None,
-                  attention: Any = "auto") -> dict:
+                  attention: Any = "auto", gguf_blocks: bool | None = None) -> dict:
     """Requests sharing a long system prompt, served with prefix caching off and on: TTFT and KV blocks.
 
     One request runs first (it fills the cache, when there is one), then the others arrive
@@ -393,7 +396,7 @@ def measure_shared_prefix(model: Any, block_size: int, seed: int, num_requests: 
         from ..engine import LLMEngine
 
         eng = LLMEngine(model, None, attention=attention, block_size=block_size, num_blocks=num_blocks,
-                        max_num_seqs=num_requests, **extra)
+                        max_num_seqs=num_requests, gguf_blocks=gguf_blocks, **extra)
         serve(eng, reqs[:1], id_prefix="warm")  # the first request fills the cache (when there is one)
         res = serve(eng, reqs[1:], id_prefix="r")  # then the rest, all at once
         ids = list(range(num_requests - 1))
@@ -512,6 +515,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--plots", type=Path, help="write PNG plots into this folder")
     ap.add_argument("--no-shared-prefix", action="store_true", help="skip the shared-system-prompt workload (prefix caching off vs on)")
+    ap.add_argument("--fp32-weights", action="store_true",
+                    help="every minipaged system multiplies with the fp32 weights only (gguf_blocks=False): "
+                         "batching as it pays when each step streams 4-byte weights")
     ap.add_argument("--no-progress", action="store_true")
 
 
@@ -535,7 +541,7 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
         naive_requests=a.naive_requests, online_requests=a.online_requests, rate_factors=rates,
         block_size=a.block_size, max_output=a.max_output, systems=systems, model_path=a.model,
         attention=a.attention, chat_prompts=a.chat_prompts, seed=a.seed, progress=not a.no_progress,
-        shared_prefix=False if a.no_shared_prefix else None,
+        shared_prefix=False if a.no_shared_prefix else None, gguf_blocks=False if a.fp32_weights else None,
     )
     res["bench_seconds"] = time.perf_counter() - t0
     res["command"] = " ".join(["minipaged bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else "minipaged bench"

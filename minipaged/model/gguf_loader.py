@@ -195,11 +195,6 @@ def read_blocks(reader, config: LlamaConfig, path: Path | None = None) -> dict[s
     return blocks
 
 
-def load_gguf_blocks(path: str | Path, config: LlamaConfig) -> dict[str, "GGUFBlocks"]:
-    """``read_blocks`` of one GGUF file (see minipaged.model.gguf_blocks)."""
-    return read_blocks(open_gguf(Path(path)), config, Path(path))
-
-
 def load_gguf(path: str | Path, with_blocks: bool = False):
     """(config, float32 state dict in Hugging Face names, tokenizer) from one GGUF file; with
     ``with_blocks``, a fourth item: ``read_blocks`` (the file is parsed once for both)."""
