@@ -14,20 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-
-def best(fn, repeats: int) -> float:
-    out = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the table here, as markdown with the command and the machine")
     a = ap.parse_args(argv)
     from minipaged.attention import cpu_kernels
+    from minipaged.bench.hardware import _best as best  # warm-up run, then the best of `repeats`
     from minipaged.bench.hardware import gemm_gflops
     from minipaged.model import load_model
     from minipaged.model.llama import GGUF_MATMUL_MAX_ROWS

@@ -52,6 +52,23 @@ static inline float fast_expf(float x) {
     return p * scale;
 }
 
+/* scores (H, L): each head's row becomes its max-subtracted softmax, in place. */
+static void softmax_rows(float *scores, int64_t H, int64_t L) {
+    for (int64_t h = 0; h < H; h++) {
+        float *sh = scores + h * L;
+        float m = sh[0];
+        for (int64_t t = 1; t < L; t++) m = sh[t] > m ? sh[t] : m;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < L; t++) {
+            sh[t] = fast_expf(sh[t] - m);
+            sum += sh[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < L; t++) sh[t] *= inv;
+    }
+}
+
 void minipaged_exp_f32(const float *x, float *out, int64_t n) { /* for the accuracy test */
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) out[i] = fast_expf(x[i]);
@@ -89,19 +106,7 @@ static void decode_seq_d64(const float *qs, const float *k_cache, const float *v
             }
         }
     }
-    for (int64_t h = 0; h < H; h++) { /* softmax per query head, max-subtracted */
-        float *sh = scores + h * L;
-        float m = sh[0];
-        for (int64_t t = 1; t < L; t++) m = sh[t] > m ? sh[t] : m;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; t++) {
-            sh[t] = fast_expf(sh[t] - m);
-            sum += sh[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; t++) sh[t] *= inv;
-    }
+    softmax_rows(scores, H, L);
     for (int64_t g = 0; g < H_kv; g++) {
         for (int64_t h0 = g * G; h0 < (g + 1) * G; h0 += 4) {
             const int64_t nh = (g + 1) * G - h0 < 4 ? (g + 1) * G - h0 : 4;
@@ -190,20 +195,7 @@ int minipaged_paged_decode_f32(const float *q, const float *k_cache, const float
                 scores[h * L + t] = acc * scale;
             }
         }
-        /* softmax per query head, max-subtracted */
-        for (int64_t h = 0; h < H; h++) {
-            float *sh = scores + h * L;
-            float m = sh[0];
-            for (int64_t t = 1; t < L; t++) m = sh[t] > m ? sh[t] : m;
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < L; t++) {
-                sh[t] = fast_expf(sh[t] - m);
-                sum += sh[t];
-            }
-            const float inv = 1.f / sum;
-            for (int64_t t = 0; t < L; t++) sh[t] *= inv;
-        }
+        softmax_rows(scores, H, L);
         /* pass 2: weighted sum of V rows */
         for (int64_t t = 0; t < L; t++) {
             const float *vrow = v_cache + (int64_t)table[t / BS] * block + (t % BS) * row;
