@@ -330,48 +330,6 @@ static inline float q_weight(int kind, const uint8_t *qt, const float *dt, const
 }
 
 #if defined(__AVX512F__)
-/* Weights of one group at k and k + 1 (nibble kinds) or at k alone (Q8_0: *w1 untouched). */
-static inline __attribute__((always_inline)) void q_lanes(int kind, const uint8_t *qt, int64_t K, int64_t g,
-                                                          int64_t k, __m512 vd, __m512 vm, __m512 *w0, __m512 *w1) {
-    if (kind == 2) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(qt + (g * K + k) * 16));
-        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), vd);
-        return;
-    }
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(qt + (g * (K / 2) + k / 2) * 16)), low = _mm_set1_epi8(15);
-    __m512i a = _mm512_cvtepu8_epi32(_mm_and_si128(raw, low));
-    __m512i b = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
-    if (kind == 0) {
-        a = _mm512_sub_epi32(a, _mm512_set1_epi32(8));
-        b = _mm512_sub_epi32(b, _mm512_set1_epi32(8));
-    }
-    *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(a), vd);
-    *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(b), vd);
-    if (kind == 1) {
-        *w0 = _mm512_add_ps(*w0, vm);
-        *w1 = _mm512_add_ps(*w1, vm);
-    }
-}
-
-/* acc[r][h] += x[r][k] * w_h for the QM (or fewer: ROWS) rows of a tile. */
-#define Q_FMA_ROWS(ROWS, xr, k, wa, wb, two, OFF)                                            \
-    for (int r = 0; r < ROWS; r++) {                                                         \
-        const __m512 xv = _mm512_set1_ps(xr[r][k]);                                          \
-        acc[r + OFF][0] = _mm512_fmadd_ps(xv, wa, acc[r + OFF][0]);                          \
-        if (two) acc[r + OFF][1] = _mm512_fmadd_ps(xv, wb, acc[r + OFF][1]);                 \
-    }
-
-/* Rows m0 .. m0 + ROWS - 1 against group pair (g, g + 1), rebuilding weights as they stream. */
-static inline void q_prefetch_block(int kind, const uint8_t *qt, const float *dt, const float *mt, int64_t K,
-                                    int64_t G, int64_t g, int64_t b) {
-    if (g >= G) return;
-    const int64_t nb = K / QBLOCK, qb = kind == 2 ? QBLOCK * 16 : QBLOCK * 8; /* bytes of one block in a group */
-    const char *q = (const char *)qt + g * nb * qb + b * qb;
-    for (int64_t c = 0; c < qb; c += 64) _mm_prefetch(q + c, _MM_HINT_T0);
-    _mm_prefetch((const char *)(dt + (g * nb + b) * 16), _MM_HINT_T0);
-    if (mt) _mm_prefetch((const char *)(mt + (g * nb + b) * 16), _MM_HINT_T0);
-}
-
 /* The integers of one group at k and k + 1 (nibble kinds, Q4_0 minus its 8) or at k alone
  * (Q8_0: *i1 untouched), as floats: the weights without their scales. */
 static inline __attribute__((always_inline)) void q_ints(int kind, const uint8_t *qt, int64_t K, int64_t g, int64_t k,
@@ -389,6 +347,40 @@ static inline __attribute__((always_inline)) void q_ints(int kind, const uint8_t
     }
     *i0 = _mm512_cvtepi32_ps(a);
     *i1 = _mm512_cvtepi32_ps(b);
+}
+
+/* Weights of one group at k and k + 1 (nibble kinds) or at k alone (Q8_0: *w1 untouched):
+ * the integers times d (plus m, Q4_1), as gguf.quants rebuilds them. */
+static inline __attribute__((always_inline)) void q_lanes(int kind, const uint8_t *qt, int64_t K, int64_t g,
+                                                          int64_t k, __m512 vd, __m512 vm, __m512 *w0, __m512 *w1) {
+    __m512 i0, i1 = _mm512_setzero_ps();
+    q_ints(kind, qt, K, g, k, &i0, &i1);
+    *w0 = _mm512_mul_ps(i0, vd);
+    if (kind == 2) return;
+    *w1 = _mm512_mul_ps(i1, vd);
+    if (kind == 1) {
+        *w0 = _mm512_add_ps(*w0, vm);
+        *w1 = _mm512_add_ps(*w1, vm);
+    }
+}
+
+/* acc[r][h] += x[r][k] * w_h for the QM (or fewer: ROWS) rows of a tile. */
+#define Q_FMA_ROWS(ROWS, xr, k, wa, wb, two, OFF)                                            \
+    for (int r = 0; r < ROWS; r++) {                                                         \
+        const __m512 xv = _mm512_set1_ps(xr[r][k]);                                          \
+        acc[r + OFF][0] = _mm512_fmadd_ps(xv, wa, acc[r + OFF][0]);                          \
+        if (two) acc[r + OFF][1] = _mm512_fmadd_ps(xv, wb, acc[r + OFF][1]);                 \
+    }
+
+/* Ask for block b of group g (its integers and scales) ahead of its use. */
+static inline void q_prefetch_block(int kind, const uint8_t *qt, const float *dt, const float *mt, int64_t K,
+                                    int64_t G, int64_t g, int64_t b) {
+    if (g >= G) return;
+    const int64_t nb = K / QBLOCK, qb = kind == 2 ? QBLOCK * 16 : QBLOCK * 8; /* bytes of one block in a group */
+    const char *q = (const char *)qt + g * nb * qb + b * qb;
+    for (int64_t c = 0; c < qb; c += 64) _mm_prefetch(q + c, _MM_HINT_T0);
+    _mm_prefetch((const char *)(dt + (g * nb + b) * 16), _MM_HINT_T0);
+    if (mt) _mm_prefetch((const char *)(mt + (g * nb + b) * 16), _MM_HINT_T0);
 }
 
 /* Rows 0 .. ROWS - 1 (at most QM) against group pair (g, g + 1), straight from the stream. Per
@@ -409,14 +401,13 @@ static inline __attribute__((always_inline)) void q_tile_stream(int kind, const 
         for (int r = 0; r < QM; r++) sums[r][0] = sums[r][1] = zero;
 #define acc sums
         for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k += 2) {
-            __m512 a0, b0, a1 = zero, b1 = zero;
-            if (kind == 2) {
-                q_ints(kind, qt, K, g, k, &a0, &b0);
-                q_ints(kind, qt, K, g, k + 1, &b0, &a1);
-                a1 = zero;
+            __m512 a0, b0, a1 = zero, b1 = zero, unused;
+            if (kind == 2) { /* one k per call: k and k + 1 in turn */
+                q_ints(kind, qt, K, g, k, &a0, &unused);
+                q_ints(kind, qt, K, g, k + 1, &b0, &unused);
                 if (two) {
-                    q_ints(kind, qt, K, g + 1, k, &a1, &b1);
-                    q_ints(kind, qt, K, g + 1, k + 1, &b1, &b1);
+                    q_ints(kind, qt, K, g + 1, k, &a1, &unused);
+                    q_ints(kind, qt, K, g + 1, k + 1, &b1, &unused);
                 }
             } else {
                 q_ints(kind, qt, K, g, k, &a0, &b0);
