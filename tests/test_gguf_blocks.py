@@ -51,8 +51,13 @@ def test_dequantize_is_gguf_quants_bit_for_bit(kind):
 
     raw = random_rows(kind, 40, 96, seed=1)
     want = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32))
-    got = GGUFBlocks.from_file_rows(kind, raw).dequantize()
+    blocks = GGUFBlocks.from_file_rows(kind, raw)
+    got = blocks.dequantize()
     assert got.shape == (40, 96) and torch.equal(got, want)
+    assert torch.equal(blocks.dequantize_rows(), want), "the row layout does not hold the same weights"
+    order = np.random.default_rng(2).permutation(40)
+    moved = blocks.permute_rows(order)
+    assert torch.equal(moved.dequantize(), want[order]) and torch.equal(moved.dequantize_rows(), want[order])
 
 
 @needs_kernels
@@ -134,6 +139,7 @@ def test_the_default_models_blocks_are_its_fp32_weights_exactly(smollm2):
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             assert torch.equal(module.blocks.dequantize(), module.weight), f"{name}: kept blocks are not its weight"
+            assert torch.equal(module.blocks.dequantize_rows(), module.weight), f"{name}: its row layout is not its weight"
 
 
 @needs_kernels
@@ -184,6 +190,7 @@ def test_the_portable_loop_gives_the_same_products_and_says_it_is_slow(tmp_path)
     assert lib.minipaged_qmatmul_fast() == 0
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.minipaged_qmatmul_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64]
+    lib.minipaged_qmatvec_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64]
     for kind in sorted(KINDS):
         blocks = GGUFBlocks.from_file_rows(kind, random_rows(kind, 21, 96, seed=7))
         x = torch.randn(3, 96, generator=torch.Generator().manual_seed(7))
@@ -193,6 +200,12 @@ def test_the_portable_loop_gives_the_same_products_and_says_it_is_slow(tmp_path)
                                        3, 21, 96)
         assert rc == 0
         assert_fp32_close(y, x, blocks.dequantize())
+        y2 = torch.empty(3, 21)  # the row layout's loop
+        rc = lib.minipaged_qmatvec_f32(x.data_ptr(), 96, blocks.rq.data_ptr(), blocks.rd.data_ptr(),
+                                       None if blocks.rm is None else blocks.rm.data_ptr(), KINDS[kind], y2.data_ptr(),
+                                       3, 21, 96)
+        assert rc == 0
+        assert_fp32_close(y2, x, blocks.dequantize())
 
 
 @needs_kernels

@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-int minipaged_decode_abi(void) { return 5; }
+int minipaged_decode_abi(void) { return 6; }
 
 /* e^x for float x, written so the compiler vectorizes it (libm's expf is a scalar call).
  * Cephes' expf: n = round(x log2 e), r = x - n ln 2 (ln 2 split in two for precision),
@@ -330,23 +330,33 @@ static inline float q_weight(int kind, const uint8_t *qt, const float *dt, const
 }
 
 #if defined(__AVX512F__)
-/* The integers of one group at k and k + 1 (nibble kinds, Q4_0 minus its 8) or at k alone
- * (Q8_0: *i1 untouched), as floats: the weights without their scales. */
-static inline __attribute__((always_inline)) void q_ints(int kind, const uint8_t *qt, int64_t K, int64_t g, int64_t k,
-                                                         __m512 *i0, __m512 *i1) {
-    if (kind == 2) {
-        *i0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qt + (g * K + k) * 16))));
-        return;
-    }
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(qt + (g * (K / 2) + k / 2) * 16)), low = _mm_set1_epi8(15);
+/* 16 bytes of nibbles -> the 16 low and the 16 high ones as floats (Q4_0: minus its 8). */
+static inline __attribute__((always_inline)) void nibbles_to_floats(int kind, const uint8_t *p, __m512 *lo,
+                                                                    __m512 *hi) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(15);
     __m512i a = _mm512_cvtepu8_epi32(_mm_and_si128(raw, low));
     __m512i b = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
     if (kind == 0) {
         a = _mm512_sub_epi32(a, _mm512_set1_epi32(8));
         b = _mm512_sub_epi32(b, _mm512_set1_epi32(8));
     }
-    *i0 = _mm512_cvtepi32_ps(a);
-    *i1 = _mm512_cvtepi32_ps(b);
+    *lo = _mm512_cvtepi32_ps(a);
+    *hi = _mm512_cvtepi32_ps(b);
+}
+
+/* 16 signed bytes -> 16 floats. */
+static inline __attribute__((always_inline)) __m512 bytes_to_floats(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* The integers of one group at k and k + 1 (nibble kinds, Q4_0 minus its 8) or at k alone
+ * (Q8_0: *i1 untouched), as floats: the weights without their scales. */
+static inline __attribute__((always_inline)) void q_ints(int kind, const uint8_t *qt, int64_t K, int64_t g, int64_t k,
+                                                         __m512 *i0, __m512 *i1) {
+    if (kind == 2)
+        *i0 = bytes_to_floats(qt + (g * K + k) * 16);
+    else
+        nibbles_to_floats(kind, qt + (g * (K / 2) + k / 2) * 16, i0, i1);
 }
 
 /* Weights of one group at k and k + 1 (nibble kinds) or at k alone (Q8_0: *w1 untouched):
@@ -553,6 +563,95 @@ static int qmatmul_avx512(const float *x, int64_t x_stride, const uint8_t *qt, c
     return bad ? -2 : 0;
 }
 #endif
+
+#if defined(__AVX512F__)
+/* The row layout (the file's own: row n's blocks in turn, GGML's nibble order, fp32 scales
+ * rd/rm (N, K/32)), for at most 8 rows of x: one weight row at a time, its 32 weights per block
+ * rebuilt in two registers (as gguf.quants rebuilds them) and multiplied into each x row's two
+ * accumulators; one sum per output at the end. One weight row is a few hundred contiguous
+ * bytes, so the three streams (integers, d, m) run straight through memory, prefetched a few
+ * rows ahead: at batch 1, where every byte counts, this beats the lane layout's two groups. */
+static inline __attribute__((always_inline)) void qrow_avx512(int kind, const uint8_t *qrow, int64_t qbytes,
+                                                              const float *drow, const float *mrow, int64_t nb,
+                                                              const float *x, int64_t x_stride, float *y, int64_t N,
+                                                              int ROWS) {
+    __m512 acc[8][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *q = qrow + b * qbytes;
+        const __m512 vd = _mm512_set1_ps(drow[b]);
+        __m512 w0, w1;
+        if (kind == 2) {
+            w0 = _mm512_mul_ps(bytes_to_floats(q), vd);
+            w1 = _mm512_mul_ps(bytes_to_floats(q + 16), vd);
+        } else {
+            nibbles_to_floats(kind, q, &w0, &w1);
+            w0 = _mm512_mul_ps(w0, vd);
+            w1 = _mm512_mul_ps(w1, vd);
+            if (kind == 1) {
+                const __m512 vm = _mm512_set1_ps(mrow[b]);
+                w0 = _mm512_add_ps(w0, vm);
+                w1 = _mm512_add_ps(w1, vm);
+            }
+        }
+        const float *xb = x + b * QBLOCK;
+        for (int r = 0; r < ROWS; r++) {
+            acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + r * x_stride), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + r * x_stride + 16), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+#endif
+
+/* y (M, N) = x (M, K) @ W^T from the row layout, M at most 8 (returns -1 otherwise, or for a bad
+ * kind or K). rq: (N, K/32, 16) nibble bytes (byte j: weight j low, weight j + 16 high) or
+ * (N, K/32, 32) signed bytes for Q8_0; rd, rm: (N, K/32) fp32. */
+int minipaged_qmatvec_f32(const float *x, int64_t x_stride, const uint8_t *rq, const float *rd, const float *rm,
+                          int64_t kind, float *y, int64_t M, int64_t N, int64_t K) {
+    if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !rm) || M < 1 || M > 8) return -1;
+    const int64_t nb = K / QBLOCK, qbytes = kind == 2 ? QBLOCK : QBLOCK / 2;
+#pragma omp parallel for schedule(static) if (N * K * M > (1 << 15))
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *qrow = rq + n * nb * qbytes;
+        const float *drow = rd + n * nb, *mrow = rm ? rm + n * nb : NULL;
+        if (n + 8 < N) { /* a row is a few hundred bytes: ask for one 8 rows on while this one computes */
+            const char *qa = (const char *)(rq + (n + 8) * nb * qbytes);
+            for (int64_t c = 0; c < nb * qbytes; c += 64) __builtin_prefetch(qa + c);
+            for (int64_t c = 0; c < nb * 4; c += 64) __builtin_prefetch((const char *)(rd + (n + 8) * nb) + c);
+            if (rm)
+                for (int64_t c = 0; c < nb * 4; c += 64) __builtin_prefetch((const char *)(rm + (n + 8) * nb) + c);
+        }
+#if defined(__AVX512F__)
+        switch (M) {
+        case 8: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 8); break;
+        case 7: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 7); break;
+        case 6: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 6); break;
+        case 5: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 5); break;
+        case 4: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 4); break;
+        case 3: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 3); break;
+        case 2: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 2); break;
+        default: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 1); break;
+        }
+#else
+        for (int64_t r = 0; r < M; r++) { /* portable: the same rule, one weight at a time */
+            const float *xr = x + r * x_stride;
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *q = qrow + b * qbytes;
+                for (int j = 0; j < QBLOCK; j++) {
+                    const int v = kind == 2 ? ((const int8_t *)q)[j] : j < 16 ? q[j] & 15 : q[j - 16] >> 4;
+                    const float w = kind == 1 ? drow[b] * (float)v + mrow[b]
+                                  : kind == 0 ? drow[b] * (float)(v - 8) : (float)v * drow[b];
+                    acc += xr[b * QBLOCK + j] * w;
+                }
+            }
+            y[r * N + n] = acc;
+        }
+#endif
+    }
+    return 0;
+}
 
 /* 1 when the vectorized GGUF matmul is compiled in (AVX-512 here); the portable loop below is
  * only for checking it: far too slow to serve with. */

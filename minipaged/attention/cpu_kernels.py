@@ -101,7 +101,7 @@ def _build() -> ctypes.CDLL:
             os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
         try:
             lib = ctypes.CDLL(str(target))
-            if lib.minipaged_decode_abi() != 5:
+            if lib.minipaged_decode_abi() != 6:
                 raise OSError("wrong ABI version")
         except OSError as e:
             # a cached build this machine cannot load (a home folder shared with another machine):
@@ -124,6 +124,8 @@ def _build() -> ctypes.CDLL:
         lib.minipaged_write_kv_f32.restype = ctypes.c_int
         lib.minipaged_qmatmul_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64]
         lib.minipaged_qmatmul_f32.restype = ctypes.c_int
+        lib.minipaged_qmatvec_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64]
+        lib.minipaged_qmatvec_f32.restype = ctypes.c_int
         lib.minipaged_qmatmul_fast.argtypes = []
         lib.minipaged_qmatmul_fast.restype = ctypes.c_int
         lib.minipaged_exp_f32.argtypes = [p, p, i64]
@@ -296,8 +298,12 @@ def qmatmul(x: torch.Tensor, blocks) -> torch.Tensor:
     y = torch.empty(x.shape[0], N, dtype=torch.float32)
     if x.shape[0] == 0:
         return y
-    qt, dt, mt, kind = blocks.pointers  # checked and fixed when the blocks were made
-    rc = _lib.minipaged_qmatmul_f32(x.data_ptr(), x.stride(0), qt, dt, mt, kind, y.data_ptr(), x.shape[0], N, K)
+    if x.shape[0] <= 8:  # the row layout streams better (see model/gguf_blocks.py)
+        qt, dt, mt, kind = blocks.row_pointers  # checked and fixed when the blocks were made
+        rc = _lib.minipaged_qmatvec_f32(x.data_ptr(), x.stride(0), qt, dt, mt, kind, y.data_ptr(), x.shape[0], N, K)
+    else:
+        qt, dt, mt, kind = blocks.pointers
+        rc = _lib.minipaged_qmatmul_f32(x.data_ptr(), x.stride(0), qt, dt, mt, kind, y.data_ptr(), x.shape[0], N, K)
     if rc == -2:
         raise MemoryError("the GGUF matmul could not allocate its weight panel")
     if rc != 0:

@@ -278,7 +278,7 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
         fp32_bytes = 4 * (w["body"] + w["lm_head"])
         gguf_bytes = default_model_path().stat().st_size
         info = model.gguf_blocks_info()
-        mine = info["bytes"] if info["in_use"] and info["layers"] == info["of"] else fp32_bytes
+        mine = info["stream_bytes"] if info["in_use"] and info["layers"] == info["of"] else fp32_bytes
         res["batch1_bound"] = {
             "read_gbps": read / 1e9, "fp32_weight_bytes": fp32_bytes, "fp32_tokens_per_s": read / fp32_bytes,
             "gguf_bytes": gguf_bytes, "gguf_tokens_per_s": read / gguf_bytes,

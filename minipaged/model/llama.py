@@ -322,6 +322,7 @@ class LlamaModel(nn.Module):
         return {"layers": len(kept), "of": len(self.linears()), "max_rows": rows,
                 "in_use": bool(kept) and rows > 0 and cpu_kernels.qmatmul_fast(),
                 "bytes": sum(m.blocks.nbytes for m in kept),
+                "stream_bytes": sum(m.blocks.stream_bytes for m in kept),  # read once per token at batch 1
                 "kinds": sorted({m.blocks.kind for m in kept})}
 
     def packed_batch_sizes(self) -> list[int]:
