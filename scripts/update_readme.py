@@ -5,6 +5,8 @@
 - bench:   docs/figures/bench.json, written by `make bench` (minipaged bench --json ...)
 - bench_quick: docs/figures/bench_quick.json, written by
            `minipaged bench --quick --no-progress --json docs/figures/bench_quick.json`
+- bench_quick_fp32: docs/figures/bench_quick_fp32.json, written by
+           `minipaged bench --quick --fp32-weights --no-progress --json docs/figures/bench_quick_fp32.json`
 - speed:   docs/figures/speed.json, written by `minipaged bench speed --json docs/figures/speed.json`
 - profile: docs/figures/profile.json, written by `minipaged bench profile --json docs/figures/profile.json`
 
@@ -148,7 +150,9 @@ def speed_block() -> str:
 
     res = json.loads(p.read_text())
     m = res.get("machine", {})
-    head = (f"Command: `minipaged bench speed --json docs/figures/speed.json` on {m.get('cpus', '?')} CPU cores, "
+    systems = res.get("arguments", {}).get("systems", "minipaged,transformers,batch1")
+    extra = "" if systems == "minipaged,transformers,batch1" else f" --systems {systems}"
+    head = (f"Command: `minipaged bench speed{extra} --json docs/figures/speed.json` on {m.get('cpus', '?')} CPU cores, "
             f"torch {m.get('torch', '?')}, {m.get('threads', '?')} threads.")
     return head + "\n\n```\n" + format_summary(res).strip() + "\n```"
 
@@ -169,7 +173,12 @@ def bench_quick_block() -> str:
     return bench_block("bench_quick.json", pictures=False)
 
 
+def bench_quick_fp32_block() -> str:
+    return bench_block("bench_quick_fp32.json", pictures=False)
+
+
 BLOCKS = {"badges": badges_block, "timings": timings_block, "bench": bench_block, "bench_quick": bench_quick_block,
+          "bench_quick_fp32": bench_quick_fp32_block,
           "speed": speed_block,
           "profile": profile_block}
 
