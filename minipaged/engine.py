@@ -162,11 +162,11 @@ def _pack_weights(model: torch.nn.Module, config: EngineConfig, gguf_blocks: boo
                          f"{'' if mkl_packing_available() else ' and this PyTorch has no MKL packing'}: "
                          "use packed_gemm=None (on where it can be) or False")
     if config.packed_gemm is None:
-        # a batch of 1-3 rows is a matrix-vector product: packing does not pay there
         from .model.llama import GGUF_MATMUL_MAX_ROWS
 
-        covered = gguf_blocks and model.gguf_blocks_info()["layers"] == len(model.linears()) \
-            and config.max_num_seqs <= GGUF_MATMUL_MAX_ROWS
+        info = model.gguf_blocks_info()
+        covered = gguf_blocks and info["layers"] == info["of"] and config.max_num_seqs <= GGUF_MATMUL_MAX_ROWS
+        # a batch of 1-3 rows is a matrix-vector product: packing does not pay there
         on = possible and not covered and config.max_num_seqs >= 4 and _room_to_pack(model, p.device)
     else:
         on = config.packed_gemm
@@ -188,12 +188,13 @@ def _use_gguf_blocks(model: torch.nn.Module, config: EngineConfig) -> bool:
     kept = model.gguf_blocks_info()["layers"]
     p = next(model.parameters())
     fits = p.device.type == "cpu" and p.dtype == torch.float32
-    if config.gguf_blocks and not (kept and fits and cpu_kernels.qmatmul_fast()):
+    possible = bool(kept) and fits and cpu_kernels.qmatmul_fast()
+    if config.gguf_blocks and not possible:
         why = ("the model keeps no GGUF blocks (load a Q4_0/Q4_1/Q8_0 GGUF file with load_model in fp32 on the CPU)"
                if not kept else f"the weights are {p.dtype} on {p.device}, not fp32 on the CPU" if not fits
                else cpu_kernels.qmatmul_why_not())
         raise ValueError(f"gguf_blocks=True cannot be honoured: {why}; use gguf_blocks=None (on where it can be) or False")
-    on = config.gguf_blocks is not False and bool(kept) and fits and cpu_kernels.qmatmul_fast()
+    on = possible and config.gguf_blocks is not False
     model.use_gguf_blocks(GGUF_MATMUL_MAX_ROWS if on else 0)
     return on
 

@@ -307,17 +307,13 @@ int minipaged_write_kv_f32(float *k_cache, float *v_cache, const float *k, const
  * x's rows are x_stride floats apart; y is (M, N) contiguous. Returns -1 for a bad kind or a K
  * that is not a multiple of 32, -2 when out of memory.
  *
- * Two loops, both with QM x 32 accumulators in registers (QM rows of x, two groups):
- * - at most QM rows: each weight is rebuilt as it is used, straight from the stream;
- * - more rows: a group pair's weights are rebuilt once into an fp32 panel (K x 32, in L2),
- *   and every QM-row tile of x multiplies against it. */
+ * A GEMM: each thread takes pairs of groups (32 outputs), rebuilds a QKC-long stretch of the
+ * pair's weights at a time into an fp32 panel that stays in L1, and multiplies every QM-row tile
+ * of x against it, with QM x 32 accumulators in registers. (Up to 8 rows of x the row layout's
+ * minipaged_qmatvec_f32 below serves instead: it streams better.) */
 #define QBLOCK 32
-#ifndef QM
-#define QM 8
-#endif
-#ifndef QKC
-#define QKC 256 /* k per panel stretch: 256 x 32 floats = 32 KB, in L1 */
-#endif
+#define QM 8      /* rows of x per tile: 8 x 2 accumulator registers */
+#define QKC 256   /* k per panel stretch: 256 x 32 floats = 32 KB, in L1 */
 
 static inline float q_weight(int kind, const uint8_t *qt, const float *dt, const float *mt, int64_t K, int64_t n,
                              int64_t k) {
@@ -374,14 +370,6 @@ static inline __attribute__((always_inline)) void q_lanes(int kind, const uint8_
     }
 }
 
-/* acc[r][h] += x[r][k] * w_h for the QM (or fewer: ROWS) rows of a tile. */
-#define Q_FMA_ROWS(ROWS, xr, k, wa, wb, two, OFF)                                            \
-    for (int r = 0; r < ROWS; r++) {                                                         \
-        const __m512 xv = _mm512_set1_ps(xr[r][k]);                                          \
-        acc[r + OFF][0] = _mm512_fmadd_ps(xv, wa, acc[r + OFF][0]);                          \
-        if (two) acc[r + OFF][1] = _mm512_fmadd_ps(xv, wb, acc[r + OFF][1]);                 \
-    }
-
 /* Ask for block b of group g (its integers and scales) ahead of its use. */
 static inline void q_prefetch_block(int kind, const uint8_t *qt, const float *dt, const float *mt, int64_t K,
                                     int64_t G, int64_t g, int64_t b) {
@@ -393,67 +381,17 @@ static inline void q_prefetch_block(int kind, const uint8_t *qt, const float *dt
     if (mt) _mm_prefetch((const char *)(mt + (g * nb + b) * 16), _MM_HINT_T0);
 }
 
-/* Rows 0 .. ROWS - 1 (at most QM) against group pair (g, g + 1), straight from the stream. Per
- * block: s = sum over its 32 k of x * q, then acc += d * s (+ m * sum of x, Q4_1): the same
- * sum as over the rebuilt weights d q + m, with the scales applied once per block, so that each
- * weight costs no multiply of its own. A one-hot x still gives each weight exactly. */
-static inline __attribute__((always_inline)) void q_tile_stream(int kind, const uint8_t *qt, const float *dt,
-                                                                const float *mt, const float *const *xr, int ROWS,
-                                                                int64_t K, int64_t G, int64_t g, int two,
-                                                                __m512 acc[][2]) {
-    const int64_t nb = K / QBLOCK;
-    const int ODD = ROWS <= QM / 2 ? QM / 2 : 0; /* a few rows: odd k get their own sums, more FMAs in flight */
-    const __m512 zero = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        q_prefetch_block(kind, qt, dt, mt, K, G, g + 2, b); /* the next pair's block b, while this one computes */
-        q_prefetch_block(kind, qt, dt, mt, K, G, g + 3, b);
-        __m512 sums[QM][2];
-        for (int r = 0; r < QM; r++) sums[r][0] = sums[r][1] = zero;
-#define acc sums
-        for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k += 2) {
-            __m512 a0, b0, a1 = zero, b1 = zero, unused;
-            if (kind == 2) { /* one k per call: k and k + 1 in turn */
-                q_ints(kind, qt, K, g, k, &a0, &unused);
-                q_ints(kind, qt, K, g, k + 1, &b0, &unused);
-                if (two) {
-                    q_ints(kind, qt, K, g + 1, k, &a1, &unused);
-                    q_ints(kind, qt, K, g + 1, k + 1, &b1, &unused);
-                }
-            } else {
-                q_ints(kind, qt, K, g, k, &a0, &b0);
-                if (two) q_ints(kind, qt, K, g + 1, k, &a1, &b1);
-            }
-            Q_FMA_ROWS(ROWS, xr, k, a0, a1, two, 0)
-            Q_FMA_ROWS(ROWS, xr, k + 1, b0, b1, two, ODD)
-        }
-#undef acc
-        const __m512 d0 = _mm512_loadu_ps(dt + (g * nb + b) * 16);
-        const __m512 d1 = two ? _mm512_loadu_ps(dt + ((g + 1) * nb + b) * 16) : zero;
-        for (int r = 0; r < ROWS; r++) {
-            const __m512 s0 = ODD ? _mm512_add_ps(sums[r][0], sums[r + ODD][0]) : sums[r][0];
-            const __m512 s1 = ODD ? _mm512_add_ps(sums[r][1], sums[r + ODD][1]) : sums[r][1];
-            acc[r][0] = _mm512_fmadd_ps(d0, s0, acc[r][0]);
-            if (two) acc[r][1] = _mm512_fmadd_ps(d1, s1, acc[r][1]);
-        }
-        if (mt) {
-            const __m512 m0 = _mm512_loadu_ps(mt + (g * nb + b) * 16);
-            const __m512 m1 = two ? _mm512_loadu_ps(mt + ((g + 1) * nb + b) * 16) : zero;
-            for (int r = 0; r < ROWS; r++) {
-                const float *xb = xr[r] + b * QBLOCK;
-                const __m512 xs = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16))));
-                acc[r][0] = _mm512_fmadd_ps(m0, xs, acc[r][0]);
-                if (two) acc[r][1] = _mm512_fmadd_ps(m1, xs, acc[r][1]);
-            }
-        }
-    }
-}
-
-/* The same against an fp32 panel (K x 32: groups g and g + 1 side by side). */
+/* acc[r] += x[r][k] * panel[k] over a stretch of K k's, for the ROWS (at most QM) rows of a
+ * tile; the panel is K x 32 (groups g and g + 1 side by side). */
 static inline __attribute__((always_inline)) void q_tile_panel(const float *panel, const float *const *xr, int ROWS,
                                                                int64_t K, __m512 acc[][2]) {
     for (int64_t k = 0; k < K; k++) {
         const __m512 wa = _mm512_load_ps(panel + k * 32), wb = _mm512_load_ps(panel + k * 32 + 16);
-        Q_FMA_ROWS(ROWS, xr, k, wa, wb, 1, 0)
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 xv = _mm512_set1_ps(xr[r][k]);
+            acc[r][0] = _mm512_fmadd_ps(xv, wa, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xv, wb, acc[r][1]);
+        }
     }
 }
 
@@ -470,13 +408,9 @@ static void q_store(float *y, int64_t N, int64_t m0, int rows, int64_t n0, __m51
 /* rows (1 .. QM) as a constant, so that each tile height gets its own unrolled loop */
 #define Q_DISPATCH(CALL)                                                                     \
     switch (rows) {                                                                          \
-    case 12: CALL(12 <= QM ? 12 : 1); break;                                                 \
-    case 11: CALL(11 <= QM ? 11 : 1); break;                                                 \
-    case 10: CALL(10 <= QM ? 10 : 1); break;                                                 \
-    case 9: CALL(9 <= QM ? 9 : 1); break;                                                    \
-    case 8: CALL(8 <= QM ? 8 : 1); break;                                                    \
-    case 7: CALL(7 <= QM ? 7 : 1); break;                                                    \
-    case 6: CALL(6 <= QM ? 6 : 1); break;                                                    \
+    case 8: CALL(8); break;                                                                  \
+    case 7: CALL(7); break;                                                                  \
+    case 6: CALL(6); break;                                                                  \
     case 5: CALL(5); break;                                                                  \
     case 4: CALL(4); break;                                                                  \
     case 3: CALL(3); break;                                                                  \
@@ -490,29 +424,16 @@ static int qmatmul_avx512(const float *x, int64_t x_stride, const uint8_t *qt, c
     int bad = 0;
 #pragma omp parallel reduction(| : bad) if (pairs > 1 && M * N * K > (1 << 15))
     {
-        /* more rows than one tile: the pair's weights are rebuilt once per QKC-long stretch of k
-         * into an fp32 panel that stays in L1, and each tile's accumulators wait in accs */
-        const int panelled = M > QM;
-        float *panel = panelled ? (float *)aligned_alloc(64, sizeof(float) * 32 * QKC) : NULL;
-        float *accs = panelled ? (float *)aligned_alloc(64, sizeof(float) * 32 * ((M + QM - 1) / QM) * QM) : NULL;
-        if (panelled && (!panel || !accs)) bad = 1;
+        /* the pair's weights, one QKC-long stretch of k at a time; each tile's accumulators wait
+         * in accs between stretches */
+        float *panel = (float *)aligned_alloc(64, sizeof(float) * 32 * QKC);
+        float *accs = (float *)aligned_alloc(64, sizeof(float) * 32 * ((M + QM - 1) / QM) * QM);
+        if (!panel || !accs) bad = 1;
 #pragma omp for schedule(static)
         for (int64_t pr = 0; pr < pairs; pr++) {
-            if (panelled && (!panel || !accs)) continue;
+            if (!panel || !accs) continue;
             const int64_t g = 2 * pr;
             const int two = g + 1 < G;
-            if (!panelled) {
-                const int rows = (int)M;
-                const float *xr[QM];
-                for (int r = 0; r < QM; r++) xr[r] = x + (r < rows ? r : rows - 1) * x_stride;
-                __m512 acc[QM][2];
-                for (int r = 0; r < QM; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-#define Q_STREAM(R) q_tile_stream(kind, qt, dt, mt, xr, R, K, G, g, two, acc)
-                Q_DISPATCH(Q_STREAM)
-#undef Q_STREAM
-                q_store(y, N, 0, rows, g * 16, acc);
-                continue;
-            }
             const __m512 zero = _mm512_setzero_ps();
             for (int64_t k0 = 0; k0 < K; k0 += QKC) {
                 const int64_t kc = K - k0 < QKC ? K - k0 : QKC;

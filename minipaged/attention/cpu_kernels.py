@@ -259,9 +259,6 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         raise IndexError(f"a slot is outside the cache (0..{num_blocks * block_size - 1}): nothing was written")
 
 
-_QKIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
-
-
 _qfast: bool | None = None
 
 

@@ -137,26 +137,6 @@ class GGUFBlocks:
         return cls(kind, torch.from_numpy(np.ascontiguousarray(qt)), scale(0),
                    scale(2) if kind == "Q4_1" else None, n, k, *rows)
 
-    def permute_rows(self, order: np.ndarray) -> "GGUFBlocks":
-        """The same weight with its rows (output features) reordered: row i of the result is row order[i]."""
-        idx = torch.as_tensor(np.asarray(order), dtype=torch.long)
-        if sorted(idx.tolist()) != list(range(self.out_features)):
-            raise ValueError("order must be a permutation of the rows")
-
-        def rows_of(t: torch.Tensor) -> torch.Tensor:  # (G, X, 16) -> (N, X)
-            return t.permute(0, 2, 1).reshape(-1, t.shape[1])[: self.out_features]
-
-        def lanes(rows: torch.Tensor) -> torch.Tensor:  # (N, X) -> (G, X, 16)
-            g = -(-self.out_features // 16)
-            padded = rows.new_zeros(g * 16, rows.shape[1])
-            padded[: self.out_features] = rows
-            return padded.view(g, 16, rows.shape[1]).permute(0, 2, 1).contiguous()
-
-        return GGUFBlocks(self.kind, lanes(rows_of(self.qt)[idx]), lanes(rows_of(self.dt)[idx]),
-                          None if self.mt is None else lanes(rows_of(self.mt)[idx]), self.out_features, self.in_features,
-                          self.rq[idx].contiguous(), self.rd[idx].contiguous(),
-                          None if self.rm is None else self.rm[idx].contiguous())
-
     def dequantize_rows(self) -> torch.Tensor:
         """(N, K) float32 from the row layout, by the same rule (tests check the two layouts agree)."""
         n, k = self.shape

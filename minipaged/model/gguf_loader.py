@@ -61,6 +61,16 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def hf_rows(name: str, rows: np.ndarray, config: LlamaConfig) -> np.ndarray:
+    """A tensor's rows (output features) in Hugging Face's order: Q and K un-permuted, the rest as
+    they are. Works on dequantised weights and on rows of quantized blocks alike."""
+    if ".q_proj." in name:
+        return unpermute_qk(rows, config.num_heads)
+    if ".k_proj." in name:
+        return unpermute_qk(rows, config.num_kv_heads)
+    return rows
+
+
 class _Meta:
     """The header's key/value metadata, with errors that name the file and the missing key."""
 
@@ -159,10 +169,7 @@ def read_weights(reader, config: LlamaConfig, path: Path) -> dict[str, torch.Ten
             w = dequantize(t.data, t.tensor_type)  # (out, in) as numpy: GGUF lists dims the other way round
         except Exception as e:
             raise CorruptModelError(f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantised: {e}") from e
-        if ".q_proj." in name:
-            w = unpermute_qk(w, config.num_heads)
-        elif ".k_proj." in name:
-            w = unpermute_qk(w, config.num_kv_heads)
+        w = hf_rows(name, w, config)
         if not w.flags.writeable or w.dtype != np.float32:
             w = np.array(w, dtype=np.float32)  # F32 tensors come back as read-only views of the mapped file
         weights[name] = torch.from_numpy(w)
@@ -180,15 +187,10 @@ def read_blocks(reader, config: LlamaConfig, path: Path | None = None) -> dict[s
         kind = t.tensor_type.name
         if name is None or kind not in KINDS or not name.endswith(".weight") or "norm" in name:
             continue
-        try:
-            b = GGUFBlocks.from_file_rows(kind, t.data)
+        try:  # a row of blocks is a row of weights: the same un-permuting as read_weights
+            blocks[name] = GGUFBlocks.from_file_rows(kind, hf_rows(name, np.asarray(t.data), config))
         except ValueError as e:
             raise CorruptModelError(f"{path or 'the GGUF file'}: tensor {t.name} ({kind}): {e}") from e
-        if ".q_proj." in name:
-            b = b.permute_rows(unpermute_qk(np.arange(b.shape[0]), config.num_heads))
-        elif ".k_proj." in name:
-            b = b.permute_rows(unpermute_qk(np.arange(b.shape[0]), config.num_kv_heads))
-        blocks[name] = b
     if config.tie_word_embeddings and "model.embed_tokens.weight" in blocks:
         blocks.setdefault("lm_head.weight", blocks["model.embed_tokens.weight"])
     blocks.pop("model.embed_tokens.weight", None)  # the lookup reads the fp32 copy
