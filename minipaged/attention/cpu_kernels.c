@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-int minipaged_decode_abi(void) { return 6; }
+int minipaged_decode_abi(void) { return 7; }
 
 /* e^x for float x, written so the compiler vectorizes it (libm's expf is a scalar call).
  * Cephes' expf: n = round(x log2 e), r = x - n ln 2 (ln 2 split in two for precision),
@@ -134,78 +134,82 @@ static void decode_seq_d64(const float *qs, const float *k_cache, const float *v
 }
 #endif
 
+/* One sequence s's decode attention into out[s] (its H x D floats, zeroed first); scores: room
+ * for H x context_lens[s] floats. Returns the bad bits (4: a block id out of range, 8: the context
+ * runs past its table row; out[s] is then left zero). */
+static int decode_one_seq(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                          int64_t bt_stride, const int32_t *context_lens, float *out, int64_t s, int64_t H,
+                          int64_t H_kv, int64_t D, int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale,
+                          float *scores) {
+    const int64_t G = H / H_kv;
+    const int64_t row = H_kv * D;      /* floats between two positions of one block */
+    const int64_t block = BS * row;    /* floats in one block */
+    const int64_t L = context_lens[s];
+    float *o = out + s * H * D;
+    memset(o, 0, sizeof(float) * H * D);
+    if (L <= 0) return 0;
+    if ((L + BS - 1) / BS > max_blocks) return 8; /* the context runs past its table row */
+    const float *qs = q + s * H * D;
+    const int32_t *table = block_tables + s * bt_stride;
+    for (int64_t i = 0; i < (L + BS - 1) / BS; i++)
+        if (table[i] < 0 || table[i] >= num_blocks) return 4;
+#if defined(__AVX512F__)
+    if (D == 64) {
+        decode_seq_d64(qs, k_cache, v_cache, table, L, H, H_kv, BS, scale, scores, o);
+        return 0;
+    }
+#endif
+    /* pass 1: scores; each position's row (all KV heads) is contiguous, read once */
+    for (int64_t t = 0; t < L; t++) {
+        const float *krow = k_cache + (int64_t)table[t / BS] * block + (t % BS) * row;
+        /* Pages are scattered, so the hardware prefetcher stalls at every block boundary: ask
+         * for the K row two blocks ahead, and for this position's V row (pass 2 then finds the
+         * sequence's V, a few tens of KB, in cache). */
+        if (t + 2 * BS < L) {
+            const float *ahead = k_cache + (int64_t)table[(t + 2 * BS) / BS] * block + (t % BS) * row;
+            for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(ahead + c);
+        }
+        const float *vnow = v_cache + (int64_t)table[t / BS] * block + (t % BS) * row;
+        for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(vnow + c);
+        for (int64_t h = 0; h < H; h++) {
+            const float *k = krow + (h / G) * D, *qh = qs + h * D;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < D; d++) acc += qh[d] * k[d];
+            scores[h * L + t] = acc * scale;
+        }
+    }
+    softmax_rows(scores, H, L);
+    /* pass 2: weighted sum of V rows */
+    for (int64_t t = 0; t < L; t++) {
+        const float *vrow = v_cache + (int64_t)table[t / BS] * block + (t % BS) * row;
+        for (int64_t h = 0; h < H; h++) {
+            const float p = scores[h * L + t], *v = vrow + (h / G) * D;
+            float *oh = o + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) oh[d] += p * v[d];
+        }
+    }
+    return 0;
+}
+
 int minipaged_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                                const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                                float *out, int64_t S, int64_t H, int64_t H_kv, int64_t D, int64_t BS,
                                int64_t num_blocks, int64_t max_blocks, float scale) {
     if (H_kv <= 0 || H % H_kv != 0 || D <= 0 || BS <= 0) return -1;
-    const int64_t G = H / H_kv;
-    const int64_t row = H_kv * D;      /* floats between two positions of one block */
-    const int64_t block = BS * row;    /* floats in one block */
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 2) reduction(| : bad)
     for (int64_t s = 0; s < S; s++) {
-        const int64_t L = context_lens[s];
-        float *o = out + s * H * D;
-        memset(o, 0, sizeof(float) * H * D);
-        if (L <= 0) continue;
-        if ((L + BS - 1) / BS > max_blocks) { /* the context runs past its table row */
-            bad |= 8;
-            continue;
-        }
+        const int64_t L = context_lens[s] > 0 ? context_lens[s] : 1;
         float *scores = (float *)malloc(sizeof(float) * H * L); /* scores[h * L + t] */
         if (!scores) {
+            memset(out + s * H * D, 0, sizeof(float) * H * D);
             bad |= 2;
             continue;
         }
-        const float *qs = q + s * H * D;
-        const int32_t *table = block_tables + s * bt_stride;
-        int out_of_range = 0;
-        for (int64_t i = 0; i < (L + BS - 1) / BS; i++)
-            if (table[i] < 0 || table[i] >= num_blocks) out_of_range = 1;
-        if (out_of_range) {
-            bad |= 4;
-            free(scores);
-            continue;
-        }
-#if defined(__AVX512F__)
-        if (D == 64) {
-            decode_seq_d64(qs, k_cache, v_cache, table, L, H, H_kv, BS, scale, scores, o);
-            free(scores);
-            continue;
-        }
-#endif
-        /* pass 1: scores; each position's row (all KV heads) is contiguous, read once */
-        for (int64_t t = 0; t < L; t++) {
-            const float *krow = k_cache + (int64_t)table[t / BS] * block + (t % BS) * row;
-            /* Pages are scattered, so the hardware prefetcher stalls at every block boundary: ask
-             * for the K row two blocks ahead, and for this position's V row (pass 2 then finds the
-             * sequence's V, a few tens of KB, in cache). */
-            if (t + 2 * BS < L) {
-                const float *ahead = k_cache + (int64_t)table[(t + 2 * BS) / BS] * block + (t % BS) * row;
-                for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(ahead + c);
-            }
-            const float *vnow = v_cache + (int64_t)table[t / BS] * block + (t % BS) * row;
-            for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(vnow + c);
-            for (int64_t h = 0; h < H; h++) {
-                const float *k = krow + (h / G) * D, *qh = qs + h * D;
-                float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < D; d++) acc += qh[d] * k[d];
-                scores[h * L + t] = acc * scale;
-            }
-        }
-        softmax_rows(scores, H, L);
-        /* pass 2: weighted sum of V rows */
-        for (int64_t t = 0; t < L; t++) {
-            const float *vrow = v_cache + (int64_t)table[t / BS] * block + (t % BS) * row;
-            for (int64_t h = 0; h < H; h++) {
-                const float p = scores[h * L + t], *v = vrow + (h / G) * D;
-                float *oh = o + h * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) oh[d] += p * v[d];
-            }
-        }
+        bad |= decode_one_seq(q, k_cache, v_cache, block_tables, bt_stride, context_lens, out, s, H, H_kv, D, BS,
+                              num_blocks, max_blocks, scale, scores);
         free(scores);
     }
     return bad ? -bad : 0;
@@ -214,63 +218,63 @@ int minipaged_paged_decode_f32(const float *q, const float *k_cache, const float
 /* ---- fused elementwise ops of a Llama layer (fp32, contiguous rows) ----------------------- */
 
 /* out[n] = w * x[n] / sqrt(mean(x[n]^2) + eps); with residual: residual[n] += x[n] first and the
- * norm is of the sum (the residual stream is updated in place, as the layer needs it). */
+ * norm is of the sum (the residual stream is updated in place, as the layer needs it). One row: */
+static inline void rmsnorm_row(const float *xn, float *rn, const float *w, float *on, int64_t C, float eps) {
+    float ss = 0.f;
+    if (rn) {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t c = 0; c < C; c++) {
+            const float v = rn[c] + xn[c];
+            rn[c] = v;
+            ss += v * v;
+        }
+        xn = rn;
+    } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t c = 0; c < C; c++) ss += xn[c] * xn[c];
+    }
+    const float r = 1.f / sqrtf(ss / (float)C + eps);
+#pragma omp simd
+    for (int64_t c = 0; c < C; c++) on[c] = w[c] * (xn[c] * r);
+}
+
 void minipaged_rmsnorm_f32(const float *x, float *residual, const float *w, float *out, int64_t N, int64_t C,
                            float eps) {
 #pragma omp parallel for schedule(static) if (N * C > (1 << 18))
-    for (int64_t n = 0; n < N; n++) {
-        const float *xn = x + n * C;
-        float *on = out + n * C;
-        float ss = 0.f;
-        if (residual) {
-            float *rn = residual + n * C;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t c = 0; c < C; c++) {
-                const float v = rn[c] + xn[c];
-                rn[c] = v;
-                ss += v * v;
-            }
-            xn = rn;
-        } else {
-#pragma omp simd reduction(+ : ss)
-            for (int64_t c = 0; c < C; c++) ss += xn[c] * xn[c];
-        }
-        const float r = 1.f / sqrtf(ss / (float)C + eps);
-#pragma omp simd
-        for (int64_t c = 0; c < C; c++) on[c] = w[c] * (xn[c] * r);
-    }
+    for (int64_t n = 0; n < N; n++) rmsnorm_row(x + n * C, residual ? residual + n * C : NULL, w, out + n * C, C, eps);
 }
 
-/* out (N, I) = silu(gate) * up: SwiGLU's middle. out may be gate itself. */
+/* out (N, I) = silu(gate) * up: SwiGLU's middle. out may be gate itself. One row: */
+static inline void silu_mul_row(const float *g, const float *u, float *o, int64_t I) {
+#pragma omp simd
+    for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + fast_expf(-g[i])) * u[i];
+}
+
 void minipaged_silu_mul_f32(const float *gate, const float *up, float *out, int64_t N, int64_t I) {
 #pragma omp parallel for schedule(static) if (N * I > (1 << 14))
-    for (int64_t n = 0; n < N; n++) {
-        const float *g = gate + n * I, *u = up + n * I;
-        float *o = out + n * I;
-#pragma omp simd
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + fast_expf(-g[i])) * u[i];
-    }
+    for (int64_t n = 0; n < N; n++) silu_mul_row(gate + n * I, up + n * I, out + n * I, I);
 }
 
 /* RoPE in place, rotate_half layout: x (N, heads, D) with row stride x_stride (floats between
  * tokens); dims i and i + D/2 of a head turn together by the token's angle. cos, sin: (N, D),
- * each token's row already looked up by its position. */
-void minipaged_rope_f32(float *x, int64_t x_stride, int64_t N, int64_t heads, int64_t D, const float *cos_t,
-                        const float *sin_t) {
+ * each token's row already looked up by its position. One token's row: */
+static inline void rope_row(float *xn, int64_t heads, int64_t D, const float *c, const float *s) {
     const int64_t half = D / 2;
-#pragma omp parallel for schedule(static) if (N * heads * D > (1 << 18))
-    for (int64_t n = 0; n < N; n++) {
-        const float *c = cos_t + n * D, *s = sin_t + n * D;
-        for (int64_t h = 0; h < heads; h++) {
-            float *v = x + n * x_stride + h * D;
+    for (int64_t h = 0; h < heads; h++) {
+        float *v = xn + h * D;
 #pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] - b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
-            }
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * c[i] - b * s[i];
+            v[i + half] = b * c[i + half] + a * s[i + half];
         }
     }
+}
+
+void minipaged_rope_f32(float *x, int64_t x_stride, int64_t N, int64_t heads, int64_t D, const float *cos_t,
+                        const float *sin_t) {
+#pragma omp parallel for schedule(static) if (N * heads * D > (1 << 18))
+    for (int64_t n = 0; n < N; n++) rope_row(x + n * x_stride, heads, D, cos_t + n * D, sin_t + n * D);
 }
 
 /* Store N new tokens' K and V rows (row = H_kv * D floats each) at their slots of the flat
@@ -418,9 +422,61 @@ static void q_store(float *y, int64_t N, int64_t m0, int rows, int64_t n0, __m51
     default: CALL(1); break;                                                                 \
     }
 
+/* One pair of groups (outputs 32 pr .. 32 pr + 31) of y = x @ W^T. panel: 32 x QKC floats, accs:
+ * 32 x QM x ceil(M / QM) floats, both 64-byte aligned (each thread's own). */
+static void qlane_pair(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
+                       int kind, float *y, int64_t M, int64_t N, int64_t K, int64_t pr, float *panel, float *accs) {
+    const int64_t G = (N + 15) / 16, nb = K / QBLOCK;
+    const int64_t g = 2 * pr;
+    const int two = g + 1 < G;
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += QKC) {
+        const int64_t kc = K - k0 < QKC ? K - k0 : QKC;
+        for (int64_t h = 0; h < 2; h++) { /* rebuild this stretch of the pair's weights */
+            if (h == 1 && !two) {
+                for (int64_t k = 0; k < kc; k++) _mm512_store_ps(panel + k * 32 + 16, zero);
+                break;
+            }
+            for (int64_t b = k0 / QBLOCK; b < (k0 + kc) / QBLOCK; b++) {
+                q_prefetch_block(kind, qt, dt, mt, K, G, g + h + 2, b);
+                const __m512 d = _mm512_loadu_ps(dt + ((g + h) * nb + b) * 16);
+                const __m512 m = mt ? _mm512_loadu_ps(mt + ((g + h) * nb + b) * 16) : zero;
+                for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k += (kind == 2 ? 1 : 2)) {
+                    __m512 w0, w1;
+                    q_lanes(kind, qt, K, g + h, k, d, m, &w0, &w1);
+                    _mm512_store_ps(panel + (k - k0) * 32 + h * 16, w0);
+                    if (kind != 2) _mm512_store_ps(panel + (k + 1 - k0) * 32 + h * 16, w1);
+                }
+            }
+        }
+        for (int64_t m0 = 0, t = 0; m0 < M; m0 += QM, t++) {
+            const int rows = (int)(M - m0 < QM ? M - m0 : QM);
+            const float *xr[QM];
+            for (int r = 0; r < QM; r++) xr[r] = x + (m0 + (r < rows ? r : rows - 1)) * x_stride + k0;
+            float *keep = accs + t * QM * 32;
+            __m512 acc[QM][2];
+            for (int r = 0; r < QM; r++) {
+                acc[r][0] = k0 ? _mm512_load_ps(keep + r * 32) : zero;
+                acc[r][1] = k0 ? _mm512_load_ps(keep + r * 32 + 16) : zero;
+            }
+#define Q_PANEL(R) q_tile_panel(panel, xr, R, kc, acc)
+            Q_DISPATCH(Q_PANEL)
+#undef Q_PANEL
+            if (k0 + kc < K) {
+                for (int r = 0; r < QM; r++) {
+                    _mm512_store_ps(keep + r * 32, acc[r][0]);
+                    _mm512_store_ps(keep + r * 32 + 16, acc[r][1]);
+                }
+            } else {
+                q_store(y, N, m0, rows, g * 16, acc);
+            }
+        }
+    }
+}
+
 static int qmatmul_avx512(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
                           int kind, float *y, int64_t M, int64_t N, int64_t K) {
-    const int64_t G = (N + 15) / 16, pairs = (G + 1) / 2, nb = K / QBLOCK;
+    const int64_t G = (N + 15) / 16, pairs = (G + 1) / 2;
     int bad = 0;
 #pragma omp parallel reduction(| : bad) if (pairs > 1 && M * N * K > (1 << 15))
     {
@@ -430,54 +486,8 @@ static int qmatmul_avx512(const float *x, int64_t x_stride, const uint8_t *qt, c
         float *accs = (float *)aligned_alloc(64, sizeof(float) * 32 * ((M + QM - 1) / QM) * QM);
         if (!panel || !accs) bad = 1;
 #pragma omp for schedule(static)
-        for (int64_t pr = 0; pr < pairs; pr++) {
-            if (!panel || !accs) continue;
-            const int64_t g = 2 * pr;
-            const int two = g + 1 < G;
-            const __m512 zero = _mm512_setzero_ps();
-            for (int64_t k0 = 0; k0 < K; k0 += QKC) {
-                const int64_t kc = K - k0 < QKC ? K - k0 : QKC;
-                for (int64_t h = 0; h < 2; h++) { /* rebuild this stretch of the pair's weights */
-                    if (h == 1 && !two) {
-                        for (int64_t k = 0; k < kc; k++) _mm512_store_ps(panel + k * 32 + 16, zero);
-                        break;
-                    }
-                    for (int64_t b = k0 / QBLOCK; b < (k0 + kc) / QBLOCK; b++) {
-                        q_prefetch_block(kind, qt, dt, mt, K, G, g + h + 2, b);
-                        const __m512 d = _mm512_loadu_ps(dt + ((g + h) * nb + b) * 16);
-                        const __m512 m = mt ? _mm512_loadu_ps(mt + ((g + h) * nb + b) * 16) : zero;
-                        for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k += (kind == 2 ? 1 : 2)) {
-                            __m512 w0, w1;
-                            q_lanes(kind, qt, K, g + h, k, d, m, &w0, &w1);
-                            _mm512_store_ps(panel + (k - k0) * 32 + h * 16, w0);
-                            if (kind != 2) _mm512_store_ps(panel + (k + 1 - k0) * 32 + h * 16, w1);
-                        }
-                    }
-                }
-                for (int64_t m0 = 0, t = 0; m0 < M; m0 += QM, t++) {
-                    const int rows = (int)(M - m0 < QM ? M - m0 : QM);
-                    const float *xr[QM];
-                    for (int r = 0; r < QM; r++) xr[r] = x + (m0 + (r < rows ? r : rows - 1)) * x_stride + k0;
-                    float *keep = accs + t * QM * 32;
-                    __m512 acc[QM][2];
-                    for (int r = 0; r < QM; r++) {
-                        acc[r][0] = k0 ? _mm512_load_ps(keep + r * 32) : zero;
-                        acc[r][1] = k0 ? _mm512_load_ps(keep + r * 32 + 16) : zero;
-                    }
-#define Q_PANEL(R) q_tile_panel(panel, xr, R, kc, acc)
-                    Q_DISPATCH(Q_PANEL)
-#undef Q_PANEL
-                    if (k0 + kc < K) {
-                        for (int r = 0; r < QM; r++) {
-                            _mm512_store_ps(keep + r * 32, acc[r][0]);
-                            _mm512_store_ps(keep + r * 32 + 16, acc[r][1]);
-                        }
-                    } else {
-                        q_store(y, N, m0, rows, g * 16, acc);
-                    }
-                }
-            }
-        }
+        for (int64_t pr = 0; pr < pairs; pr++)
+            if (panel && accs) qlane_pair(x, x_stride, qt, dt, mt, kind, y, M, N, K, pr, panel, accs);
         free(panel);
         free(accs);
     }
@@ -525,52 +535,57 @@ static inline __attribute__((always_inline)) void qrow_avx512(int kind, const ui
 }
 #endif
 
+/* Output n of y (M, N) = x (M, K) @ W^T from the row layout, M from 1 to 8. rq: (N, K/32, 16)
+ * nibble bytes (byte j: weight j low, weight j + 16 high) or (N, K/32, 32) signed bytes for
+ * Q8_0; rd, rm: (N, K/32) fp32. */
+static inline void qrow_one(const float *x, int64_t x_stride, const uint8_t *rq, const float *rd, const float *rm,
+                            int kind, float *y, int64_t M, int64_t N, int64_t K, int64_t n) {
+    const int64_t nb = K / QBLOCK, qbytes = kind == 2 ? QBLOCK : QBLOCK / 2;
+    const uint8_t *qrow = rq + n * nb * qbytes;
+    const float *drow = rd + n * nb, *mrow = rm ? rm + n * nb : NULL;
+    if (n + 8 < N) { /* a row is a few hundred bytes: ask for one 8 rows on while this one computes */
+        const char *qa = (const char *)(rq + (n + 8) * nb * qbytes);
+        for (int64_t c = 0; c < nb * qbytes; c += 64) __builtin_prefetch(qa + c);
+        for (int64_t c = 0; c < nb * 4; c += 64) __builtin_prefetch((const char *)(rd + (n + 8) * nb) + c);
+        if (rm)
+            for (int64_t c = 0; c < nb * 4; c += 64) __builtin_prefetch((const char *)(rm + (n + 8) * nb) + c);
+    }
+#if defined(__AVX512F__)
+    switch (M) {
+    case 8: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 8); break;
+    case 7: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 7); break;
+    case 6: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 6); break;
+    case 5: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 5); break;
+    case 4: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 4); break;
+    case 3: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 3); break;
+    case 2: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 2); break;
+    default: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 1); break;
+    }
+#else
+    for (int64_t r = 0; r < M; r++) { /* portable: the same rule, one weight at a time */
+        const float *xr = x + r * x_stride;
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *q = qrow + b * qbytes;
+            for (int j = 0; j < QBLOCK; j++) {
+                const int v = kind == 2 ? ((const int8_t *)q)[j] : j < 16 ? q[j] & 15 : q[j - 16] >> 4;
+                const float w = kind == 1 ? drow[b] * (float)v + mrow[b]
+                              : kind == 0 ? drow[b] * (float)(v - 8) : (float)v * drow[b];
+                acc += xr[b * QBLOCK + j] * w;
+            }
+        }
+        y[r * N + n] = acc;
+    }
+#endif
+}
+
 /* y (M, N) = x (M, K) @ W^T from the row layout, M at most 8 (returns -1 otherwise, or for a bad
- * kind or K). rq: (N, K/32, 16) nibble bytes (byte j: weight j low, weight j + 16 high) or
- * (N, K/32, 32) signed bytes for Q8_0; rd, rm: (N, K/32) fp32. */
+ * kind or K). */
 int minipaged_qmatvec_f32(const float *x, int64_t x_stride, const uint8_t *rq, const float *rd, const float *rm,
                           int64_t kind, float *y, int64_t M, int64_t N, int64_t K) {
     if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !rm) || M < 1 || M > 8) return -1;
-    const int64_t nb = K / QBLOCK, qbytes = kind == 2 ? QBLOCK : QBLOCK / 2;
 #pragma omp parallel for schedule(static) if (N * K * M > (1 << 15))
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *qrow = rq + n * nb * qbytes;
-        const float *drow = rd + n * nb, *mrow = rm ? rm + n * nb : NULL;
-        if (n + 8 < N) { /* a row is a few hundred bytes: ask for one 8 rows on while this one computes */
-            const char *qa = (const char *)(rq + (n + 8) * nb * qbytes);
-            for (int64_t c = 0; c < nb * qbytes; c += 64) __builtin_prefetch(qa + c);
-            for (int64_t c = 0; c < nb * 4; c += 64) __builtin_prefetch((const char *)(rd + (n + 8) * nb) + c);
-            if (rm)
-                for (int64_t c = 0; c < nb * 4; c += 64) __builtin_prefetch((const char *)(rm + (n + 8) * nb) + c);
-        }
-#if defined(__AVX512F__)
-        switch (M) {
-        case 8: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 8); break;
-        case 7: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 7); break;
-        case 6: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 6); break;
-        case 5: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 5); break;
-        case 4: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 4); break;
-        case 3: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 3); break;
-        case 2: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 2); break;
-        default: qrow_avx512((int)kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 1); break;
-        }
-#else
-        for (int64_t r = 0; r < M; r++) { /* portable: the same rule, one weight at a time */
-            const float *xr = x + r * x_stride;
-            float acc = 0.f;
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *q = qrow + b * qbytes;
-                for (int j = 0; j < QBLOCK; j++) {
-                    const int v = kind == 2 ? ((const int8_t *)q)[j] : j < 16 ? q[j] & 15 : q[j - 16] >> 4;
-                    const float w = kind == 1 ? drow[b] * (float)v + mrow[b]
-                                  : kind == 0 ? drow[b] * (float)(v - 8) : (float)v * drow[b];
-                    acc += xr[b * QBLOCK + j] * w;
-                }
-            }
-            y[r * N + n] = acc;
-        }
-#endif
-    }
+    for (int64_t n = 0; n < N; n++) qrow_one(x, x_stride, rq, rd, rm, (int)kind, y, M, N, K, n);
     return 0;
 }
 
@@ -601,4 +616,218 @@ int minipaged_qmatmul_f32(const float *x, int64_t x_stride, const uint8_t *qt, c
         }
     return 0;
 #endif
+}
+
+/* ---- a decode step's decoder layers in one call ------------------------------------------
+ *
+ * Every token of the step is a decode (sequence s has exactly one new token, row s), and every
+ * linear layer multiplies from its GGUF blocks. Then each layer is: RMSNorm; q, k, v; RoPE; K and
+ * V stored at their slots; paged decode attention; o; the residual add and the second RMSNorm;
+ * gate and up; SiLU(gate) * up; down; the residual add. Each is the very routine the
+ * one-op-at-a-time calls above run, on the same rows in the same order, so the result is the
+ * same to the bit; what goes is the interpreter between ops (about 30 calls into PyTorch and C
+ * per layer) and a thread start per op: here one team of threads runs the whole step, with a
+ * barrier between ops, and q, k and v (and gate and up) share one split of the work.
+ * Everything is checked before anything is written: slots, block ids and context lengths. */
+typedef struct {
+    const uint8_t *qt; const float *dt; const float *mt; /* lane layout (GGUFBlocks.pointers) */
+    const uint8_t *rq; const float *rd; const float *rm; /* row layout (GGUFBlocks.row_pointers) */
+    const float *bias;                                   /* (N,) or NULL */
+    int64_t kind, N, K;
+} mp_qlinear;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* (C,) each */
+    mp_qlinear q, k, v, o, gate, up, down;
+    float *k_cache, *v_cache; /* (num_blocks, BS, H_kv, D) each */
+} mp_layer;
+
+typedef struct {
+    int64_t M, C, H, H_kv, D, I, BS, num_blocks, bt_stride, max_blocks;
+    float eps, scale;
+    float *x;                 /* (M, C): the residual stream, read and updated in place */
+    const float *cos, *sin;   /* (M, D): each token's row */
+    const int64_t *slots;     /* (M,) */
+    const int32_t *tables;    /* (M, bt_stride) */
+    const int32_t *lens;      /* (M,) */
+    const int32_t *qsl;       /* (M + 1,): must be 0, 1, ..., M */
+    float *h, *q, *k, *v, *o, *a, *g, *u; /* scratch: (M, C), (M, H D), (M, H_kv D) x 2, (M, H D), (M, C), (M, I) x 2 */
+} mp_decode_step;
+
+typedef struct {
+    const mp_qlinear *w;
+    const float *x; /* (M, w->K) contiguous */
+    float *y;       /* (M, w->N) contiguous */
+} mp_job;
+
+static int qlinear_ok(const mp_qlinear *w, int64_t N, int64_t K) {
+    return w->N == N && w->K == K && K % QBLOCK == 0 && w->kind >= 0 && w->kind <= 2 && w->qt && w->dt && w->rq &&
+           w->rd && (w->kind != 1 || (w->mt && w->rm));
+}
+
+/* The work units of one linear layer: a pair of lane groups (AVX-512, more than 8 rows), else one output. */
+static inline int64_t qlinear_units(const mp_qlinear *w, int64_t M) {
+#if defined(__AVX512F__)
+    if (M > 8) return ((w->N + 15) / 16 + 1) / 2;
+#endif
+    (void)M;
+    return w->N;
+}
+
+static inline void qlinear_unit(const mp_job *j, int64_t M, int64_t u, float *panel, float *accs) {
+    const mp_qlinear *w = j->w;
+#if defined(__AVX512F__)
+    if (M > 8) {
+        qlane_pair(j->x, w->K, w->qt, w->dt, w->mt, (int)w->kind, j->y, M, w->N, w->K, u, panel, accs);
+        return;
+    }
+#endif
+    (void)panel, (void)accs;
+    if (M <= 8) {
+        qrow_one(j->x, w->K, w->rq, w->rd, w->rm, (int)w->kind, j->y, M, w->N, w->K, u);
+        return;
+    }
+    for (int64_t r = 0; r < M; r++) { /* portable, more than 8 rows: the lane layout's rule */
+        const float *xr = j->x + r * w->K;
+        float acc = 0.f;
+        for (int64_t k = 0; k < w->K; k++) acc += xr[k] * q_weight((int)w->kind, w->qt, w->dt, w->mt, w->K, u, k);
+        j->y[r * w->N + u] = acc;
+    }
+}
+
+/* Inside a parallel region: every job's y = x @ W^T (+ bias), the jobs' units split over the team. */
+static void qlinear_jobs(const mp_job *jobs, int nj, int64_t M, float *panel, float *accs) {
+    int64_t total = 0;
+    for (int j = 0; j < nj; j++) total += qlinear_units(jobs[j].w, M);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < total; i++) {
+        int j = 0;
+        int64_t u = i;
+        while (u >= qlinear_units(jobs[j].w, M)) u -= qlinear_units(jobs[j].w, M), j++;
+        qlinear_unit(&jobs[j], M, u, panel, accs);
+    }
+    int biased = 0;
+    for (int j = 0; j < nj; j++) biased |= jobs[j].w->bias != NULL;
+    if (!biased) return;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        for (int j = 0; j < nj; j++) {
+            const mp_qlinear *w = jobs[j].w;
+            if (!w->bias) continue;
+            float *y = jobs[j].y + m * w->N;
+            for (int64_t n = 0; n < w->N; n++) y[n] += w->bias[n];
+        }
+}
+
+/* Returns 0, or: -1 a shape that does not fit, -2 out of memory, -3 a sequence with other than
+ * one new token, -4 a block id outside the cache, -8 a context past its table row or empty,
+ * -16 a slot outside the cache. Nothing is written unless it returns 0 (save -2). */
+int minipaged_decode_layers_f32(const mp_layer *layers, int64_t num_layers, const mp_decode_step *st) {
+    const int64_t M = st->M, C = st->C, H = st->H, H_kv = st->H_kv, D = st->D, I = st->I, BS = st->BS;
+    if (M < 1 || C <= 0 || H_kv <= 0 || H % H_kv || D <= 0 || D % 2 || I <= 0 || BS <= 0 || st->max_blocks < 1 ||
+        st->bt_stride < st->max_blocks || num_layers < 0)
+        return -1;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const mp_layer *ly = layers + l;
+        if (!ly->input_norm || !ly->post_norm || !ly->k_cache || !ly->v_cache || !qlinear_ok(&ly->q, H * D, C) ||
+            !qlinear_ok(&ly->k, H_kv * D, C) || !qlinear_ok(&ly->v, H_kv * D, C) || !qlinear_ok(&ly->o, C, H * D) ||
+            !qlinear_ok(&ly->gate, I, C) || !qlinear_ok(&ly->up, I, C) || !qlinear_ok(&ly->down, C, I))
+            return -1;
+    }
+    for (int64_t s = 0; s <= M; s++)
+        if (st->qsl[s] != s) return -3;
+    int64_t max_len = 1;
+    const int64_t num_slots = st->num_blocks * BS;
+    for (int64_t s = 0; s < M; s++) {
+        const int64_t L = st->lens[s];
+        if (L < 1 || (L + BS - 1) / BS > st->max_blocks) return -8;
+        const int32_t *table = st->tables + s * st->bt_stride;
+        for (int64_t i = 0; i < (L + BS - 1) / BS; i++)
+            if (table[i] < 0 || table[i] >= st->num_blocks) return -4;
+        if (st->slots[s] < 0 || st->slots[s] >= num_slots) return -16;
+        max_len = L > max_len ? L : max_len;
+    }
+    const int64_t HD = H * D, row = H_kv * D;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *panel = (float *)aligned_alloc(64, sizeof(float) * 32 * QKC);
+        float *accs = (float *)aligned_alloc(64, sizeof(float) * 32 * ((M + QM - 1) / QM) * QM);
+        float *scores = (float *)malloc(sizeof(float) * H * max_len);
+        if (!panel || !accs || !scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        int f;
+#pragma omp atomic read
+        f = failed;
+        const int go = !f;
+        for (int64_t l = 0; go && l < num_layers; l++) {
+            const mp_layer *ly = layers + l;
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) rmsnorm_row(st->x + m * C, NULL, ly->input_norm, st->h + m * C, C, st->eps);
+            const mp_job qkv[3] = {{&ly->q, st->h, st->q}, {&ly->k, st->h, st->k}, {&ly->v, st->h, st->v}};
+            qlinear_jobs(qkv, 3, M, panel, accs);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {
+                rope_row(st->q + m * HD, H, D, st->cos + m * D, st->sin + m * D);
+                rope_row(st->k + m * row, H_kv, D, st->cos + m * D, st->sin + m * D);
+                memcpy(ly->k_cache + st->slots[m] * row, st->k + m * row, sizeof(float) * row);
+                memcpy(ly->v_cache + st->slots[m] * row, st->v + m * row, sizeof(float) * row);
+            }
+#pragma omp for schedule(dynamic, 2)
+            for (int64_t s = 0; s < M; s++)
+                decode_one_seq(st->q, ly->k_cache, ly->v_cache, st->tables, st->bt_stride, st->lens, st->o, s, H, H_kv,
+                               D, BS, st->num_blocks, st->max_blocks, st->scale, scores);
+            const mp_job o_job[1] = {{&ly->o, st->o, st->a}};
+            qlinear_jobs(o_job, 1, M, panel, accs);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++)
+                rmsnorm_row(st->a + m * C, st->x + m * C, ly->post_norm, st->h + m * C, C, st->eps);
+            const mp_job gate_up[2] = {{&ly->gate, st->h, st->g}, {&ly->up, st->h, st->u}};
+            qlinear_jobs(gate_up, 2, M, panel, accs);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) silu_mul_row(st->g + m * I, st->u + m * I, st->g + m * I, I);
+            const mp_job down[1] = {{&ly->down, st->g, st->a}};
+            qlinear_jobs(down, 1, M, panel, accs);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {
+                float *xm = st->x + m * C;
+                const float *am = st->a + m * C;
+#pragma omp simd
+                for (int64_t c = 0; c < C; c++) xm[c] += am[c];
+            }
+        }
+        free(panel);
+        free(accs);
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}
+
+/* ---- greedy sampling ------------------------------------------------------------------------
+ * idx[r] = the first position of the largest value of row r of x (R rows of V floats, stride
+ * apart), as torch.argmax gives it; -1 for a row holding a NaN (the caller asks PyTorch, whose
+ * rule for NaN is its own). Pass 1 finds the row's max, pass 2 its first position. */
+void minipaged_argmax_rows_f32(const float *x, int64_t stride, int64_t R, int64_t V, int64_t *idx) {
+#pragma omp parallel for schedule(static) if (R * V > (1 << 16))
+    for (int64_t r = 0; r < R; r++) {
+        const float *row = x + r * stride;
+        float m = row[0];
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t i = 0; i < V; i++) {
+            m = row[i] > m ? row[i] : m;
+            nan |= row[i] != row[i];
+        }
+        int64_t at = -1;
+        if (!nan)
+            for (int64_t i = 0; i < V; i++)
+                if (row[i] == m) {
+                    at = i;
+                    break;
+                }
+        idx[r] = at;
+    }
 }

@@ -101,7 +101,7 @@ def _build() -> ctypes.CDLL:
             os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
         try:
             lib = ctypes.CDLL(str(target))
-            if lib.minipaged_decode_abi() != 6:
+            if lib.minipaged_decode_abi() != 7:
                 raise OSError("wrong ABI version")
         except OSError as e:
             # a cached build this machine cannot load (a home folder shared with another machine):
@@ -130,6 +130,10 @@ def _build() -> ctypes.CDLL:
         lib.minipaged_qmatmul_fast.restype = ctypes.c_int
         lib.minipaged_exp_f32.argtypes = [p, p, i64]
         lib.minipaged_exp_f32.restype = None
+        lib.minipaged_argmax_rows_f32.argtypes = [p, i64, i64, i64, p]
+        lib.minipaged_argmax_rows_f32.restype = None
+        lib.minipaged_decode_layers_f32.argtypes = [p, i64, p]
+        lib.minipaged_decode_layers_f32.restype = ctypes.c_int
         return lib
     raise RuntimeError("the C compiler failed: " + "; ".join(errors))
 
@@ -308,6 +312,121 @@ def qmatmul(x: torch.Tensor, blocks) -> torch.Tensor:
     return y
 
 
+# -- a decode step's decoder layers in one call (minipaged_decode_layers_f32) ---------------
+class _QLinear(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in ("qt", "dt", "mt", "rq", "rd", "rm", "bias")] + \
+               [(n, ctypes.c_int64) for n in ("kind", "N", "K")]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + \
+               [(n, _QLinear) for n in ("q", "k", "v", "o", "gate", "up", "down")] + \
+               [("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("M", "C", "H", "H_kv", "D", "I", "BS", "num_blocks", "bt_stride",
+                                              "max_blocks")] + \
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + \
+               [(n, ctypes.c_void_p) for n in ("x", "cos", "sin", "slots", "tables", "lens", "qsl",
+                                               "h", "q", "k", "v", "o", "a", "g", "u")]
+
+
+def _qlinear(blocks, bias: torch.Tensor | None) -> _QLinear:
+    qt, dt, mt, kind = blocks.pointers
+    rq, rd, rm, _ = blocks.row_pointers
+    return _QLinear(qt, dt, mt, rq, rd, rm, None if bias is None else bias.data_ptr(), kind,
+                    blocks.out_features, blocks.in_features)
+
+
+class DecodeLayers:
+    """What ``decode_layers`` needs of a stack of Llama layers, worked out once: per layer the two
+    RMSNorm weights, the seven linear layers' GGUF blocks (q, k, v, o, gate, up, down; a
+    model.gguf_blocks.GGUFBlocks each) with their biases, and the layer's K/V pages. The caller
+    keeps every tensor named here alive and unchanged while this is in use (model/llama.py
+    checks that before each step)."""
+
+    def __init__(self, layers: list[dict], eps: float, dims: dict) -> None:
+        self.dims = dict(dims)  # C, H, H_kv, D, I
+        self.eps = float(eps)
+        arr = (_Layer * len(layers))()
+        for i, ly in enumerate(layers):
+            arr[i] = _Layer(ly["input_norm"].data_ptr(), ly["post_norm"].data_ptr(),
+                            *(_qlinear(*ly[n]) for n in ("q", "k", "v", "o", "gate", "up", "down")),
+                            ly["k_cache"].data_ptr(), ly["v_cache"].data_ptr())
+        self.layers = arr
+        self.num_layers = len(layers)
+        k_cache = layers[0]["k_cache"] if layers else None
+        self.cache_shape = tuple(k_cache.shape) if k_cache is not None else None
+
+
+def decode_layers(plan: DecodeLayers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, scale: float) -> torch.Tensor:
+    """Run every layer of ``plan`` over a step whose tokens are all decodes (row s = sequence s's
+    one new token), from the GGUF blocks, in one C call: the same maths, op for op, as the
+    layers' own forward (the same kernels on the same rows), so the same bits. ``x`` (M, C), the
+    residual stream, is updated in place and returned. Refused with nothing written: a sequence
+    with other than one new token, a slot, block id or context length the cache cannot hold."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are not available: {why_not()}")
+    d = plan.dims
+    M, C = x.shape
+    num_blocks, block_size, h_kv, head_dim = plan.cache_shape
+    if C != d["C"] or x.dtype != torch.float32 or not x.is_contiguous() or cos.shape != (M, head_dim) \
+            or sin.shape != (M, head_dim) or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"x must be contiguous fp32 ({M}, {d['C']}) with cos, sin ({M}, {head_dim})")
+    slots = attn.slot_mapping.to(torch.int64).contiguous()
+    tables = attn.block_tables.to(torch.int32)
+    if tables.dim() != 2 or tables.stride(-1) != 1:
+        tables = tables.reshape(tables.shape[0], -1).contiguous()
+    lens = attn.context_lens.to(torch.int32).contiguous()
+    qsl = attn.query_start_loc.to(torch.int32).contiguous()
+    if slots.shape != (M,) or lens.shape != (M,) or tables.shape[0] != M or qsl.shape != (M + 1,):
+        raise ValueError(f"{M} tokens need {M} slots, sequences and block-table rows, and {M + 1} query starts")
+    H, I = d["H"], d["I"]
+    scratch = torch.empty(M * (2 * C + 2 * H * head_dim + 2 * h_kv * head_dim + 2 * I), dtype=torch.float32)
+    parts, at = {}, 0
+    for name, width in (("h", C), ("q", H * head_dim), ("k", h_kv * head_dim), ("v", h_kv * head_dim),
+                        ("o", H * head_dim), ("a", C), ("g", I), ("u", I)):
+        parts[name] = scratch.data_ptr() + 4 * at
+        at += M * width
+    step = _Step(M, C, H, h_kv, head_dim, I, block_size, num_blocks, tables.stride(0), tables.shape[1],
+                 plan.eps, float(scale), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                 tables.data_ptr(), lens.data_ptr(), qsl.data_ptr(), *parts.values())
+    rc = _lib.minipaged_decode_layers_f32(plan.layers, plan.num_layers, ctypes.byref(step))
+    if rc == 0:
+        return x
+    if rc == -3:
+        raise ValueError("decode_layers is for steps of decodes only: every sequence must have exactly one new token")
+    if rc == -4:
+        raise IndexError("a block table names a block outside the cache: nothing was written")
+    if rc == -8:
+        raise ValueError(f"a context is empty or longer than its block table holds ({tables.shape[1]} blocks of "
+                         f"{block_size}): nothing was written")
+    if rc == -16:
+        raise IndexError(f"a slot is outside the cache (0..{num_blocks * block_size - 1}): nothing was written")
+    if rc == -2:
+        raise MemoryError("decode_layers could not allocate its buffers")
+    raise ValueError("the layers' weights do not fit the step's shapes")
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (its first largest value, as ``logits.argmax(-1)``) for (M, V) fp32 CPU
+    logits whose rows are contiguous: one pass per row, split over the cores (PyTorch's max over
+    dim -1 takes about 2 ms at 64 x 49152 here, this about a fifth of that). A row holding a NaN
+    gets PyTorch's answer."""
+    if not available() or logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" \
+            or logits.stride(1) != 1 or logits.shape[1] == 0 or (logits.requires_grad and torch.is_grad_enabled()):
+        return logits.max(dim=-1).indices.tolist()
+    M, V = logits.shape
+    idx = torch.empty(M, dtype=torch.int64)
+    _lib.minipaged_argmax_rows_f32(logits.data_ptr(), logits.stride(0), M, V, idx.data_ptr())
+    out = idx.tolist()
+    for i, at in enumerate(out):
+        if at < 0:  # a NaN in the row
+            out[i] = int(logits[i].max(dim=-1).indices.item())
+    return out
+
+
 def exp(x: torch.Tensor) -> torch.Tensor:
     """The kernels' own e^x (for testing its accuracy): contiguous fp32 in, same shape out."""
     x = x.contiguous()
@@ -330,4 +449,4 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 __all__ = ["available", "why_not", "applies", "paged_decode", "fused_ops_apply", "rmsnorm", "silu_mul", "rope_", "qmatmul", "qmatmul_fast", "qmatmul_why_not",
-           "write_kv_applies", "write_kv"]
+           "write_kv_applies", "write_kv", "DecodeLayers", "decode_layers", "argmax_rows"]

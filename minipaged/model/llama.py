@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import TORCH, AttentionBackend, AttentionMetadata, cpu_kernels
+from torch.nn.modules import module as _torch_module
 from ..kv_cache import KVCache
 from .config import LlamaConfig
 
@@ -226,6 +227,35 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(norm(x))
 
 
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """What identifies a small weight's values for the decode plan: its memory and change counter."""
+    return (t.data_ptr(), _version(t), t.dtype, t.is_contiguous(), t.numel())
+
+
+def _no_hooks(m: nn.Module) -> bool:
+    return not (m._forward_hooks or m._forward_pre_hooks)
+
+
+def _fusable_parts(layer: nn.Module) -> tuple | None:
+    """A layer's norms and linear layers when it is minipaged's own DecoderLayer, built of
+    minipaged's own parts with no hooks and fp32 norm weights (what decode_layers computes
+    exactly); None otherwise."""
+    if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
+        return None
+    a, mlp = layer.self_attn, layer.mlp
+    parts = (layer.input_layernorm, layer.post_attention_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+             mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if not (_no_hooks(layer) and _no_hooks(a) and _no_hooks(mlp)):
+        return None
+    for m in parts:
+        if type(m) not in (RMSNorm, Linear) or not _no_hooks(m):
+            return None
+    for w in [norm.weight for norm in parts[:2]] + [lin.bias for lin in parts[2:] if lin.bias is not None]:
+        if w.dtype != torch.float32 or not w.is_contiguous() or w.device.type != "cpu":
+            return None
+    return parts
+
+
 class LlamaModel(nn.Module):
     """The decoder stack plus LM head. ``forward`` gives hidden states; ``compute_logits`` the logits."""
 
@@ -266,9 +296,67 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # (N, C)
         # One lookup for all layers; positions past max_position_embeddings raise an IndexError here.
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (N, D)
+        plan = self._decode_plan(x, attn, kv_cache, backend)
+        if plan is not None:  # a step of decodes only: every layer in one C call, the same maths
+            return self.norm(cpu_kernels.decode_layers(plan, x, cos, sin, attn, self.layers[0].self_attn.scale))
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v):
             x = layer(x, cos, sin, k_cache, v_cache, attn, backend)
         return self.norm(x)
+
+    # A step whose every token is a decode runs all the layers in one C call
+    # (cpu_kernels.decode_layers) where it can stand in for them exactly: fp32 on a CPU with the
+    # fast GGUF matmul, every linear layer multiplying from its blocks at this batch, minipaged's
+    # own layer classes with no hooks, and attention through the "torch" backend (a backend of
+    # your own is always called). False: always layer by layer (the same bits, slower).
+    fused_decode: bool = True
+
+    def _decode_plan(self, x: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, backend) -> "cpu_kernels.DecodeLayers | None":
+        n = x.shape[0]
+        if (not self.fused_decode or backend != TORCH or attn.num_decodes != n or attn.context_lens.shape[0] != n
+                or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks
+                or not cpu_kernels.qmatmul_fast() or not cpu_kernels.fused_ops_apply(x)
+                or not kv_cache.k or not cpu_kernels.applies(x, kv_cache.k[0], kv_cache.v[0])):
+            return None
+        key = [id(kv_cache), n <= 8]
+        for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v):
+            parts = _fusable_parts(layer)
+            if parts is None or not cpu_kernels.applies(x, k_cache, v_cache):
+                return None
+            key.append(k_cache.data_ptr())
+            key.append(v_cache.data_ptr())
+            for m in parts:
+                if isinstance(m, Linear):
+                    blocks = m.blocks
+                    if blocks is None or n > m.gguf_rows:
+                        return None
+                    key.append(id(blocks))
+                    if m.bias is not None:
+                        key.append(_tensor_key(m.bias))
+                else:  # an RMSNorm
+                    key.append(_tensor_key(m.weight))
+                    key.append(m.eps)
+        if len(kv_cache.k) != len(self.layers) or len(kv_cache.v) != len(self.layers):
+            return None
+        key = tuple(key)
+        cached = self.__dict__.get("_decode_plan_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        eps = {layer.input_layernorm.eps for layer in self.layers} | {layer.post_attention_layernorm.eps for layer in self.layers}
+        if len(eps) != 1:
+            return None
+        c = self.config
+        layers = []
+        for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v):
+            a, mlp = layer.self_attn, layer.mlp
+            layers.append({"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                           **{name: (lin.blocks, lin.bias) for name, lin in (
+                               ("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj),
+                               ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj))},
+                           "k_cache": k_cache, "v_cache": v_cache})
+        plan = cpu_kernels.DecodeLayers(layers, eps.pop(), {"C": c.hidden_size, "H": c.num_heads, "H_kv": c.num_kv_heads,
+                                                            "D": c.head_dim, "I": c.intermediate_size})
+        self.__dict__["_decode_plan_cache"] = (key, plan)
+        return plan
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
