@@ -365,13 +365,14 @@ static inline __attribute__((always_inline)) void q_lanes(int kind, const uint8_
                                                           int64_t k, __m512 vd, __m512 vm, __m512 *w0, __m512 *w1) {
     __m512 i0, i1 = _mm512_setzero_ps();
     q_ints(kind, qt, K, g, k, &i0, &i1);
+    if (kind == 1) { /* d * q is exact in fp32, so one fused rounding of d * q + m is the add's */
+        *w0 = _mm512_fmadd_ps(i0, vd, vm);
+        *w1 = _mm512_fmadd_ps(i1, vd, vm);
+        return;
+    }
     *w0 = _mm512_mul_ps(i0, vd);
     if (kind == 2) return;
     *w1 = _mm512_mul_ps(i1, vd);
-    if (kind == 1) {
-        *w0 = _mm512_add_ps(*w0, vm);
-        *w1 = _mm512_add_ps(*w1, vm);
-    }
 }
 
 /* Ask for block b of group g (its integers and scales) ahead of its use. */
@@ -517,12 +518,13 @@ static inline __attribute__((always_inline)) void qrow_avx512(int kind, const ui
             w1 = _mm512_mul_ps(bytes_to_floats(q + 16), vd);
         } else {
             nibbles_to_floats(kind, q, &w0, &w1);
-            w0 = _mm512_mul_ps(w0, vd);
-            w1 = _mm512_mul_ps(w1, vd);
-            if (kind == 1) {
+            if (kind == 1) { /* d * q is exact in fp32: one fused rounding is the add's */
                 const __m512 vm = _mm512_set1_ps(mrow[b]);
-                w0 = _mm512_add_ps(w0, vm);
-                w1 = _mm512_add_ps(w1, vm);
+                w0 = _mm512_fmadd_ps(w0, vd, vm);
+                w1 = _mm512_fmadd_ps(w1, vd, vm);
+            } else {
+                w0 = _mm512_mul_ps(w0, vd);
+                w1 = _mm512_mul_ps(w1, vd);
             }
         }
         const float *xb = x + b * QBLOCK;
