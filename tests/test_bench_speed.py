@@ -130,7 +130,20 @@ def test_markdown_table_has_every_category_and_batch():
     lines = md.splitlines()
     assert lines[0] == "| share of step time | batch 1 | batch 16 |"
     assert all(any(line.startswith(f"| {c} |") for line in lines) for c in prof.CATEGORIES)
-    assert "| ms per step | 100.0 | 100.0 |" in lines
+    assert "| ms per step, timed | 100.0 | 100.0 |" in lines
+    assert not any(line.startswith("| ms per step, untimed") for line in lines)  # no untimed run given
+    for r, ms in zip(runs, (40.0, 60.0)):
+        r["untimed"] = {"ms_per_step": ms, "output_tokens_per_s": 7.0}
+    lines = prof.format_markdown({"runs": runs}).splitlines()
+    assert "| ms per step, untimed | 40.0 | 60.0 |" in lines and "| output tok/s, untimed | 7.0 | 7.0 |" in lines
+
+
+def test_the_untimed_run_serves_every_token(tiny_model):
+    model, tok = tiny_model
+    reqs = [Request(tok.encode("hello there, how are you"), 6) for _ in range(3)]
+    u = prof.untimed_steps(model, tok, reqs, max_num_seqs=3, max_num_batched_tokens=64, attention="torch")
+    assert u["steps"] >= 6 and u["ms_per_step"] == pytest.approx(u["wall_seconds"] / u["steps"] * 1e3)
+    assert u["output_tokens_per_s"] == pytest.approx(18 / u["wall_seconds"])
 
 
 @pytest.mark.parametrize("argv, msg", [(["--batches", "1,x"], "comma-separated integers"), (["--batches", "0"], "at least one size"),
