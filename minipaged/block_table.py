@@ -65,9 +65,12 @@ class BlockTable:
                 f"slot range [{start}, {end}) is outside this sequence's {self.num_tokens} token slot(s); "
                 "call append_tokens first"
             )
+        bs = self.block_size
+        if end - start <= 16:  # a decode's one slot (most calls): plain ints, one small tensor
+            return torch.tensor([self.blocks[p // bs] * bs + p % bs for p in range(start, end)], dtype=torch.int64)
         pos = torch.arange(start, end, dtype=torch.int64)
         table = torch.tensor(self.blocks, dtype=torch.int64) if self.blocks else torch.zeros(0, dtype=torch.int64)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return table[pos // bs] * bs + pos % bs
 
     def __repr__(self) -> str:
         return f"BlockTable(blocks={self.blocks}, num_tokens={self.num_tokens})"
