@@ -103,6 +103,8 @@ def _info(args: argparse.Namespace) -> int:
     why_q = cpu_kernels.qmatmul_why_not()
     print("GGUF matmul (gguf_blocks): " + ("built: fp32 GGUF models on the CPU multiply from the file's Q4_0/Q4_1/Q8_0 blocks"
           if why_q is None else f"not in use, the fp32 copy serves instead: {why_q}"))
+    print("one-call decode (LlamaModel.fused_decode): " + ("on: a step of decodes runs every layer in one C call"
+          if why_q is None else "off: it needs the GGUF matmul"))
     try:
         from .model import default_model_path
 

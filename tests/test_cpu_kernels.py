@@ -216,6 +216,7 @@ def test_minipaged_info_says_whether_the_cpu_kernels_are_in_use(tmp_path):
     assert "CPU kernels (decode attention, fused ops): not in use, the PyTorch path runs instead: MINIPAGED_CPU_KERNELS=0 is set" in p.stdout
     assert ("GGUF matmul (gguf_blocks): not in use, the fp32 copy serves instead: the CPU kernels are not available: "
             "MINIPAGED_CPU_KERNELS=0 is set") in p.stdout
+    assert "one-call decode (LlamaModel.fused_decode): off: it needs the GGUF matmul" in p.stdout
 
 
 @needs_kernels

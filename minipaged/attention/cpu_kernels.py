@@ -342,9 +342,10 @@ def _qlinear(blocks, bias: torch.Tensor | None) -> _QLinear:
 class DecodeLayers:
     """What ``decode_layers`` needs of a stack of Llama layers, worked out once: per layer the two
     RMSNorm weights, the seven linear layers' GGUF blocks (q, k, v, o, gate, up, down; a
-    model.gguf_blocks.GGUFBlocks each) with their biases, and the layer's K/V pages. The caller
-    keeps every tensor named here alive and unchanged while this is in use (model/llama.py
-    checks that before each step)."""
+    model.gguf_blocks.GGUFBlocks each) with their biases, and the layer's K/V pages. It keeps
+    their addresses only (holding them would keep a finished engine's cache alive): the caller
+    checks, before each use, that every address and shape is still the one given here
+    (model/llama.py does, every step)."""
 
     def __init__(self, layers: list[dict], eps: float, dims: dict) -> None:
         self.dims = dict(dims)  # C, H, H_kv, D, I

@@ -329,7 +329,7 @@ class LlamaModel(nn.Module):
                     blocks = m.blocks
                     if blocks is None or n > m.gguf_rows:
                         return None
-                    key.append(id(blocks))
+                    key.append(blocks.pointers + blocks.row_pointers + (blocks.out_features, blocks.in_features))
                     if m.bias is not None:
                         key.append(_tensor_key(m.bias))
                 else:  # an RMSNorm
