@@ -19,7 +19,7 @@ from minipaged.attention import REFERENCE, TORCH, AttentionBackend, AttentionMet
 from minipaged.model.config import LlamaConfig
 from minipaged.model.gguf_blocks import GGUFBlocks
 from minipaged.model.llama import Linear, LlamaModel
-from test_gguf_blocks import random_rows
+from test_gguf_blocks import portable_build, random_rows
 
 needs_fast = pytest.mark.skipif(not cpu_kernels.qmatmul_fast(), reason="the fused decode needs the fast GGUF matmul (AVX-512)")
 BS = 4
@@ -185,6 +185,21 @@ def test_it_stands_in_only_where_it_is_exact(monkeypatch):
     assert calls == [5], "a changed weight's stale blocks were used"
     assert torch.equal(h1, h2) and not torch.equal(h1, h_before)
 
+    # another cache (other pages, another size): the plan follows it
+    other = decode_step(model, 5, seed=9, lens=[40, 3, 17, 1, 25])
+    plan_a = model._decode_plan(torch.zeros(5, 64), meta, cache, TORCH)
+    plan_b = model._decode_plan(torch.zeros(5, 64), other[3], other[2], TORCH)
+    assert plan_a.cache_shape != plan_b.cache_shape
+    h1, _, h2, _ = run_both(model, other)
+    assert torch.equal(h1, h2)
+
+    # a hook on the embedding (the one call updates the embedding's output in place)
+    handle = model.embed_tokens.register_forward_hook(lambda *a: None)
+    n_calls = len(calls)
+    model(ids, pos, clone_cache(cache), meta, TORCH)
+    handle.remove()
+    assert len(calls) == n_calls
+
     # a norm weight changed in place: the plan is rebuilt (the norm is read from its tensor)
     model2 = gguf_model(seed=1)
     h_a = model2(ids, pos, clone_cache(cache), meta, TORCH)
@@ -228,19 +243,10 @@ def test_the_portable_build_gives_the_same_answers(tmp_path, monkeypatch):
     """Built without AVX-512 or OpenMP (a laptop, a Mac), the one call runs the portable loops:
     the same layer maths, to fp32 rounding of its plain loops."""
     import ctypes
-    import shutil
-    import subprocess
 
     if not cpu_kernels.available():
         pytest.skip(f"no CPU kernels here: {cpu_kernels.why_not()}")
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler")
-    so = tmp_path / "portable.so"
-    subprocess.run([cc, "-O2", "-fPIC", "-shared", str(cpu_kernels.SOURCE), "-o", str(so), "-lm"], check=True,
-                   capture_output=True, timeout=120)
-    lib = ctypes.CDLL(str(so))
-    assert lib.minipaged_qmatmul_fast() == 0
+    lib = portable_build(tmp_path)
     lib.minipaged_decode_layers_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.minipaged_decode_layers_f32.restype = ctypes.c_int
     for n in (3, 12):  # the row layout's loop, and the lane layout's

@@ -171,9 +171,8 @@ def test_gguf_blocks_true_is_refused_where_there_are_none():
     assert eng.gguf_blocks is False
 
 
-def test_the_portable_loop_gives_the_same_products_and_says_it_is_slow(tmp_path):
-    """Built without AVX-512 (a laptop, a Mac), the kernel keeps a plain loop over the same
-    layout: right, but far too slow to serve with, so it reports itself as not fast."""
+def portable_build(tmp_path):
+    """The kernels built as on a CPU without AVX-512 and without OpenMP (skips without a compiler)."""
     import ctypes
     import shutil
     import subprocess
@@ -186,6 +185,15 @@ def test_the_portable_loop_gives_the_same_products_and_says_it_is_slow(tmp_path)
                    capture_output=True, timeout=120)
     lib = ctypes.CDLL(str(so))
     assert lib.minipaged_qmatmul_fast() == 0
+    return lib
+
+
+def test_the_portable_loop_gives_the_same_products_and_says_it_is_slow(tmp_path):
+    """Built without AVX-512 (a laptop, a Mac), the kernel keeps a plain loop over the same
+    layout: right, but far too slow to serve with, so it reports itself as not fast."""
+    import ctypes
+
+    lib = portable_build(tmp_path)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.minipaged_qmatmul_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64]
     lib.minipaged_qmatvec_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64]

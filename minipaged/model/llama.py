@@ -15,9 +15,9 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from ..attention import TORCH, AttentionBackend, AttentionMetadata, cpu_kernels
-from torch.nn.modules import module as _torch_module
 from ..kv_cache import KVCache
 from .config import LlamaConfig
 
@@ -315,15 +315,15 @@ class LlamaModel(nn.Module):
         if (not self.fused_decode or backend != TORCH or attn.num_decodes != n or attn.context_lens.shape[0] != n
                 or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks
                 or not cpu_kernels.qmatmul_fast() or not cpu_kernels.fused_ops_apply(x)
-                or not kv_cache.k or not cpu_kernels.applies(x, kv_cache.k[0], kv_cache.v[0])):
+                or not kv_cache.k or not cpu_kernels.applies(x, kv_cache.k[0], kv_cache.v[0])
+                or not _no_hooks(self.embed_tokens)):  # x is updated in place: it must be the embedding's own
             return None
         key = [id(kv_cache), n <= 8]
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v):
             parts = _fusable_parts(layer)
             if parts is None or not cpu_kernels.applies(x, k_cache, v_cache):
                 return None
-            key.append(k_cache.data_ptr())
-            key.append(v_cache.data_ptr())
+            key.append((k_cache.data_ptr(), k_cache.shape, v_cache.data_ptr(), v_cache.shape))
             for m in parts:
                 if isinstance(m, Linear):
                     blocks = m.blocks
