@@ -138,6 +138,31 @@ def test_all_decodes_in_one_kernel_call(monkeypatch, decode_path):
 
 
 @pytest.mark.parametrize("decode_path", ["c_kernel"], indirect=True)
+def test_short_prefills_are_decode_queries_in_one_kernel_call_and_long_ones_use_sdpa(monkeypatch, decode_path):
+    """With the C kernel, prefills whose contexts are all at most PREFILL_AS_DECODES_MAX_CONTEXT
+    long go through it as one query per new token over its causal prefix (one call for all of
+    them, after the decodes' call); a longer context sends the prefills to SDPA."""
+    limit = torch_sdpa.PREFILL_AS_DECODES_MAX_CONTEXT
+    kernel, sdpa = _count_kernel_calls(monkeypatch), _count_sdpa_calls(monkeypatch)
+    for longest, via_kernel in ((limit, True), (limit + 1, False)):
+        kernel.clear(), sdpa.clear()
+        ctx = [17, 40, 3, 33, longest, 9]  # two decodes, then full prompts and chunks over cached prefixes
+        q_lens = [1, 1, 3, 33, 20, 9]
+        case = make_case(ctx, q_lens, 9, 3, 64, 16)
+        out = check(case, f"prefills with a context of {longest}", num_decodes=2)
+        assert torch.isfinite(out).all()
+        if via_kernel:
+            assert kernel == [(2, 9, 64), (sum(q_lens[2:]), 9, 64)] and sdpa == [], (kernel, sdpa)
+        else:
+            assert kernel == [(2, 9, 64)] and sdpa, (kernel, sdpa)
+    # a chunk of one sequence that continues a long cached prefix: its queries see all of it
+    kernel.clear()
+    case = make_case([200, 5], [64, 5], 4, 2, 32, 16)
+    check(case, "a chunk over a cached prefix", num_decodes=0)
+    assert kernel == [(69, 4, 32)]
+
+
+@pytest.mark.parametrize("decode_path", ["c_kernel"], indirect=True)
 def test_c_kernel_refuses_a_block_outside_the_cache(decode_path):
     case = make_case([20, 5], [1, 1], 4, 2, 32, 16)
     tables = case.block_tables.clone()

@@ -11,7 +11,10 @@ who runs; reference.py remains the oracle it is tested against (tests/test_atten
   ``scaled_dot_product_attention`` with a length mask attends all S queries at once. Only when
   contexts are so unequal that padding would more than double the work (``DECODE_PAD_LIMIT``)
   are they cut into at most ``DECODE_MAX_GROUPS`` calls of similar lengths.
-- Prefill and chunked prefill: batched the same way (queries padded to the longest new chunk,
+- Prefill and chunked prefill on a CPU in fp32, every context at most
+  ``PREFILL_AS_DECODES_MAX_CONTEXT`` long: every new token is a decode query over its causal
+  prefix, all of them in one call of the C kernel.
+- Prefill and chunked prefill otherwise: batched the same way (queries padded to the longest new chunk,
   keys to the longest context, a causal-with-offset mask) when padding wastes at most
   ``PREFILL_PAD_LIMIT`` times the real work; otherwise one SDPA call per sequence.
 
@@ -31,6 +34,10 @@ PREFILL_PAD_LIMIT = 2.0
 # Decodes: one call while padding every context to the longest costs <= this x the real work;
 # past it (very unequal contexts) at most DECODE_MAX_GROUPS calls, longest contexts together.
 DECODE_PAD_LIMIT = 2.0
+# Prefill on a CPU in fp32 with every context at most this long: every new token goes through
+# the decode kernel as a query over its causal prefix (reads a short context's pages from cache,
+# each once per query); longer contexts use SDPA, which reuses each K/V tile across queries.
+PREFILL_AS_DECODES_MAX_CONTEXT = 256
 DECODE_MAX_GROUPS = 4
 
 
@@ -188,6 +195,25 @@ def _plan(query_start_loc: torch.Tensor, context_lens: torch.Tensor, num_decodes
     return plan
 
 
+_last_prefill: tuple | None = None
+
+
+def _prefill_queries(block_tables: torch.Tensor, rest: list[int], q_lens: list[int], ctx: list[int]):
+    """Each prefill token's block-table row and causal context length (made once per step: the
+    layers of a step share the metadata)."""
+    global _last_prefill
+    key = (tuple(rest), tuple(q_lens[s] for s in rest), tuple(ctx[s] for s in rest))
+    cached = _last_prefill
+    if (cached is not None and cached[0] is block_tables and cached[1] == key
+            and torch.equal(cached[2], block_tables)):  # the same tensor, unchanged in place
+        return cached[3]
+    rows = torch.tensor([s for s in rest for _ in range(q_lens[s])], dtype=torch.long, device=block_tables.device)
+    lens = torch.tensor([ctx[s] - q_lens[s] + i + 1 for s in rest for i in range(q_lens[s])], dtype=torch.int32)
+    result = (block_tables.index_select(0, rows), lens)
+    _last_prefill = (block_tables, key, block_tables.clone(), result)
+    return result
+
+
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
@@ -236,6 +262,15 @@ def paged_attention(
         return out
     q_max = max(q_lens[s] for s in rest)
     c_max = max(ctx[s] for s in rest)
+    if c_max <= PREFILL_AS_DECODES_MAX_CONTEXT and cpu_kernels.applies(q, k_cache, v_cache) \
+            and rest == list(range(rest[0], rest[-1] + 1)) and out.is_contiguous():
+        # Short contexts on a CPU: each new token is one decode query over its causal prefix
+        # (context_len - q_len + i + 1 positions for the chunk's i-th token), through the decode
+        # kernel, straight from the pages: no gathered copy, no padding, no masked-out half.
+        lo, hi = qsl[rest[0]], qsl[rest[-1] + 1]
+        tables, lens = _prefill_queries(block_tables, rest, q_lens, ctx)
+        cpu_kernels.paged_decode(q[lo:hi], k_cache, v_cache, tables, lens, scale, out=out[lo:hi])
+        return out
     real = sum(q_lens[s] * ctx[s] for s in rest)
     if len(rest) > 1 and len(rest) * q_max * c_max <= PREFILL_PAD_LIMIT * real:
         idx = torch.tensor(rest, dtype=torch.long, device=q.device)
