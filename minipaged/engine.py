@@ -522,13 +522,21 @@ class LLMEngine:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
                 sampled: dict = {}
                 if inputs.samplers:
-                    logits = self.model.compute_logits(hidden[inputs.sample_rows])
+                    h = hidden[inputs.sample_rows]
                     # a prompt computed for n samples: its one row of logits gives every sample's first token
                     who = [(i, q) for i, s in enumerate(inputs.samplers) for q in [s.seq] + list(s.seq.forks)]
-                    if len(who) > len(inputs.samplers):
-                        logits = logits[torch.tensor([i for i, _ in who], device=logits.device)]
                     seqs = [q for _, q in who]
-                    tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.sampling_params for s in seqs])
+                    tokens = None
+                    if (len(who) == len(inputs.samplers) and type(self.sampler) is Sampler
+                            and all(q.sampling_params.greedy for q in seqs)):
+                        # every row greedy: the model's argmax straight from the head, where it has one
+                        greedy = getattr(self.model, "greedy_tokens", None)
+                        tokens = greedy(h) if greedy is not None else None
+                    if tokens is None:
+                        logits = self.model.compute_logits(h)
+                        if len(who) > len(inputs.samplers):
+                            logits = logits[torch.tensor([i for i, _ in who], device=logits.device)]
+                        tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.sampling_params for s in seqs])
                     sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
                 now = time.perf_counter() - self.t0
                 self.scheduler.update(out, sampled)

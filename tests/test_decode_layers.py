@@ -298,3 +298,66 @@ def test_argmax_rows_is_torchs_argmax():
     wide = torch.randn(4, 3000, generator=g)[:, :1000]  # rows with a stride
     assert cpu_kernels.argmax_rows(wide) == wide.argmax(dim=-1).tolist()
     assert cpu_kernels.argmax_rows(torch.randn(3, 5, dtype=torch.float64)) is not None  # other dtypes: PyTorch
+
+
+@needs_fast
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_heads_argmax_is_the_argmax_of_its_logits(kind):
+    """qmatmul_argmax gives argmax(qmatmul(x, blocks)) row by row without making the product:
+    ties across pairs and threads go to the first position, a NaN row refuses (None), and up to
+    8 rows it is not for it (None: the row layout's logits are small)."""
+    rows = small_rows(kind, 1000, 64, seed=3)
+    rows[700] = rows[37]  # output 700 ties output 37 for every x: the first must win
+    rows[999] = rows[998]
+    blocks = GGUFBlocks.from_file_rows(kind, rows)
+    g = torch.Generator().manual_seed(0)
+    for m in (9, 16, 64, 100):
+        x = torch.randn(m, 64, generator=g)
+        want = cpu_kernels.qmatmul(x, blocks).argmax(-1).tolist()
+        assert cpu_kernels.qmatmul_argmax(x, blocks) == want
+    w = blocks.dequantize()
+    x = torch.zeros(12, 64)
+    x[:6] = w[37] * 5  # rows whose best output is 37 (and its twin 700)
+    x[6:] = w[998] * 5
+    got = cpu_kernels.qmatmul_argmax(x, blocks)
+    assert got == cpu_kernels.qmatmul(x, blocks).argmax(-1).tolist()
+    assert 700 not in got and 999 not in got, "a tie went to the later position"
+    assert cpu_kernels.qmatmul_argmax(torch.zeros(10, 64), blocks) == [0] * 10  # every output ties
+    bad = torch.randn(10, 64, generator=g)
+    bad[4, 3] = float("nan")
+    assert cpu_kernels.qmatmul_argmax(bad, blocks) is None
+    assert cpu_kernels.qmatmul_argmax(torch.randn(8, 64, generator=g), blocks) is None
+
+
+@needs_fast
+def test_greedy_steps_take_the_heads_argmax_and_others_the_logits(smollm2, monkeypatch):
+    from minipaged import LLM, SamplingParams
+
+    model, tok = smollm2
+    prompts = ["The capital of France is", "List three prime numbers:", "Write a haiku about rain.",
+               "What is 12 times 7?", "Name a colour.", "Say hello."] * 2
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    llm = LLM(model, tok, num_blocks=128)
+    used = []
+    real = type(model).greedy_tokens
+    monkeypatch.setattr(type(model), "greedy_tokens", lambda self, h: used.append(h.shape[0]) or real(self, h))
+    got = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert used and used[0] == 12 and all(8 < n <= 12 for n in used)
+    monkeypatch.setattr(type(model), "greedy_tokens", lambda self, h: None)  # always the logits and the Sampler
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == got
+    # a sampled request in the step, or n > 1: the logits and the Sampler
+    monkeypatch.setattr(type(model), "greedy_tokens", lambda self, h: pytest.fail("argmax used for sampled rows"))
+    llm.generate(prompts[:11] + [prompts[11]], [greedy] * 11 + [SamplingParams(max_tokens=8, temperature=0.7, seed=1)])
+    # n > 1: the prompt's one row of logits feeds all its samples (the Sampler), then each greedy
+    # sample decodes like any other
+    monkeypatch.setattr(type(model), "greedy_tokens", real)
+    many = llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, n=12))[0]
+    assert [o.token_ids for o in many.outputs] == [got[0]] * 12
+    # a hook on the head sees every call
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda *a: seen.append(1))
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == got
+    finally:
+        handle.remove()
+    assert len(seen) >= 8

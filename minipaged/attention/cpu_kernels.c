@@ -425,8 +425,37 @@ static void q_store(float *y, int64_t N, int64_t m0, int rows, int64_t n0, __m51
 
 /* One pair of groups (outputs 32 pr .. 32 pr + 31) of y = x @ W^T. panel: 32 x QKC floats, accs:
  * 32 x QM x ceil(M / QM) floats, both 64-byte aligned (each thread's own). */
+/* Each row's largest output so far and its first position (best[r], at[r]; at[r] < 0: none yet,
+ * -2: a NaN was met), over the 32 outputs of a finished tile, instead of storing them. */
+static void q_argmax(float *best, int64_t *at, int64_t N, int64_t m0, int rows, int64_t n0, __m512 acc[][2]) {
+    const int64_t left = N - n0;
+    const __mmask16 k0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    const __mmask16 k1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+    for (int r = 0; r < rows; r++) {
+        const int64_t m = m0 + r;
+        if (at[m] == -2) continue;
+        if (_mm512_mask_cmp_ps_mask(k0, acc[r][0], acc[r][0], _CMP_UNORD_Q) ||
+            _mm512_mask_cmp_ps_mask(k1, acc[r][1], acc[r][1], _CMP_UNORD_Q)) {
+            at[m] = -2;
+            continue;
+        }
+        float v = _mm512_mask_reduce_max_ps(k0, acc[r][0]);
+        if (k1) {
+            const float v1 = _mm512_mask_reduce_max_ps(k1, acc[r][1]);
+            v = v1 > v ? v1 : v;
+        }
+        if (at[m] >= 0 && !(v > best[m])) continue; /* ties keep the earlier position */
+        const __mmask16 e0 = _mm512_mask_cmp_ps_mask(k0, acc[r][0], _mm512_set1_ps(v), _CMP_EQ_OQ);
+        const __mmask16 e1 = _mm512_mask_cmp_ps_mask(k1, acc[r][1], _mm512_set1_ps(v), _CMP_EQ_OQ);
+        best[m] = v;
+        at[m] = e0 ? n0 + __builtin_ctz(e0) : n0 + 16 + __builtin_ctz(e1);
+    }
+}
+
+/* best/at NULL: store y; else y is not written and each row's argmax is kept in best/at instead. */
 static void qlane_pair(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
-                       int kind, float *y, int64_t M, int64_t N, int64_t K, int64_t pr, float *panel, float *accs) {
+                       int kind, float *y, int64_t M, int64_t N, int64_t K, int64_t pr, float *panel, float *accs,
+                       float *best, int64_t *at) {
     const int64_t G = (N + 15) / 16, nb = K / QBLOCK;
     const int64_t g = 2 * pr;
     const int two = g + 1 < G;
@@ -469,7 +498,10 @@ static void qlane_pair(const float *x, int64_t x_stride, const uint8_t *qt, cons
                     _mm512_store_ps(keep + r * 32 + 16, acc[r][1]);
                 }
             } else {
-                q_store(y, N, m0, rows, g * 16, acc);
+                if (at)
+                    q_argmax(best, at, N, m0, rows, g * 16, acc);
+                else
+                    q_store(y, N, m0, rows, g * 16, acc);
             }
         }
     }
@@ -488,11 +520,56 @@ static int qmatmul_avx512(const float *x, int64_t x_stride, const uint8_t *qt, c
         if (!panel || !accs) bad = 1;
 #pragma omp for schedule(static)
         for (int64_t pr = 0; pr < pairs; pr++)
-            if (panel && accs) qlane_pair(x, x_stride, qt, dt, mt, kind, y, M, N, K, pr, panel, accs);
+            if (panel && accs) qlane_pair(x, x_stride, qt, dt, mt, kind, y, M, N, K, pr, panel, accs, NULL, NULL);
         free(panel);
         free(accs);
     }
     return bad ? -2 : 0;
+}
+
+/* at[r] = argmax over n of (x @ W^T)[r, n], the first position of the largest, without writing
+ * the product (greedy sampling from the LM head: at batch 64 its logits are 12 MB a step).
+ * The same accumulators as qmatmul_avx512, so the same values. Returns -3 when a row holds a
+ * NaN (the caller computes the logits and asks PyTorch), -2 out of memory. */
+static int qmatmul_argmax_avx512(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
+                                 int kind, int64_t M, int64_t N, int64_t K, int64_t *at) {
+    const int64_t G = (N + 15) / 16, pairs = (G + 1) / 2;
+    int bad = 0;
+    for (int64_t m = 0; m < M; m++) at[m] = -1;
+    float *best = (float *)malloc(sizeof(float) * M);
+    if (!best) return -2;
+#pragma omp parallel reduction(| : bad)
+    {
+        float *panel = (float *)aligned_alloc(64, sizeof(float) * 32 * QKC);
+        float *accs = (float *)aligned_alloc(64, sizeof(float) * 32 * ((M + QM - 1) / QM) * QM);
+        float *mine = (float *)malloc(sizeof(float) * M);
+        int64_t *mine_at = (int64_t *)malloc(sizeof(int64_t) * M);
+        if (!panel || !accs || !mine || !mine_at) bad = 1;
+        if (mine_at)
+            for (int64_t m = 0; m < M; m++) mine_at[m] = -1;
+#pragma omp for schedule(static)
+        for (int64_t pr = 0; pr < pairs; pr++)
+            if (panel && accs && mine && mine_at)
+                qlane_pair(x, x_stride, qt, dt, mt, kind, NULL, M, N, K, pr, panel, accs, mine, mine_at);
+#pragma omp critical
+        if (mine && mine_at)
+            for (int64_t m = 0; m < M; m++) { /* the larger wins; on a tie, the earlier position */
+                if (mine_at[m] == -1 || at[m] == -2) continue;
+                if (mine_at[m] == -2 || at[m] == -1 || mine[m] > best[m] || (mine[m] == best[m] && mine_at[m] < at[m])) {
+                    best[m] = mine[m];
+                    at[m] = mine_at[m];
+                }
+            }
+        free(panel);
+        free(accs);
+        free(mine);
+        free(mine_at);
+    }
+    free(best);
+    if (bad) return -2;
+    for (int64_t m = 0; m < M; m++)
+        if (at[m] < 0) return -3;
+    return 0;
 }
 #endif
 
@@ -601,6 +678,17 @@ int minipaged_qmatmul_fast(void) {
 #endif
 }
 
+int minipaged_qmatmul_argmax_f32(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt,
+                                 const float *mt, int64_t kind, int64_t M, int64_t N, int64_t K, int64_t *at) {
+    if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !mt) || M < 1 || N < 1) return -1;
+#if defined(__AVX512F__)
+    return qmatmul_argmax_avx512(x, x_stride, qt, dt, mt, (int)kind, M, N, K, at);
+#else
+    (void)x, (void)x_stride, (void)qt, (void)dt, (void)at;
+    return -4; /* no fast kernel here: the caller computes the logits */
+#endif
+}
+
 int minipaged_qmatmul_f32(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
                           int64_t kind, float *y, int64_t M, int64_t N, int64_t K) {
     if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !mt)) return -1;
@@ -680,7 +768,7 @@ static inline void qlinear_unit(const mp_job *j, int64_t M, int64_t u, float *pa
     const mp_qlinear *w = j->w;
 #if defined(__AVX512F__)
     if (M > 8) {
-        qlane_pair(j->x, w->K, w->qt, w->dt, w->mt, (int)w->kind, j->y, M, w->N, w->K, u, panel, accs);
+        qlane_pair(j->x, w->K, w->qt, w->dt, w->mt, (int)w->kind, j->y, M, w->N, w->K, u, panel, accs, NULL, NULL);
         return;
     }
 #endif

@@ -130,6 +130,8 @@ def _build() -> ctypes.CDLL:
         lib.minipaged_qmatmul_fast.restype = ctypes.c_int
         lib.minipaged_exp_f32.argtypes = [p, p, i64]
         lib.minipaged_exp_f32.restype = None
+        lib.minipaged_qmatmul_argmax_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, p]
+        lib.minipaged_qmatmul_argmax_f32.restype = ctypes.c_int
         lib.minipaged_argmax_rows_f32.argtypes = [p, i64, i64, i64, p]
         lib.minipaged_argmax_rows_f32.restype = None
         lib.minipaged_decode_layers_f32.argtypes = [p, i64, p]
@@ -428,6 +430,26 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return out
 
 
+def qmatmul_argmax(x: torch.Tensor, blocks) -> list[int] | None:
+    """Each row's argmax of ``qmatmul(x, blocks)`` (its first largest output), without making the
+    product: greedy sampling from the LM head, whose logits are 12 MB a step at batch 64. The same
+    accumulators as qmatmul's lane kernel, so the same token. None where it does not apply (up to
+    8 rows, where qmatmul takes the row layout; no fast kernel; a row with a NaN): compute the
+    logits then."""
+    if not qmatmul_fast() or x.dim() != 2 or x.shape[0] <= 8 or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or x.shape[1] != blocks.in_features:
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    qt, dt, mt, kind = blocks.pointers
+    at = torch.empty(x.shape[0], dtype=torch.int64)
+    rc = _lib.minipaged_qmatmul_argmax_f32(x.data_ptr(), x.stride(0), qt, dt, mt, kind, x.shape[0],
+                                          blocks.out_features, blocks.in_features, at.data_ptr())
+    if rc == -2:
+        raise MemoryError("the GGUF argmax could not allocate its buffers")
+    return at.tolist() if rc == 0 else None
+
+
 def exp(x: torch.Tensor) -> torch.Tensor:
     """The kernels' own e^x (for testing its accuracy): contiguous fp32 in, same shape out."""
     x = x.contiguous()
@@ -450,4 +472,4 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 __all__ = ["available", "why_not", "applies", "paged_decode", "fused_ops_apply", "rmsnorm", "silu_mul", "rope_", "qmatmul", "qmatmul_fast", "qmatmul_why_not",
-           "write_kv_applies", "write_kv", "DecodeLayers", "decode_layers", "argmax_rows"]
+           "write_kv_applies", "write_kv", "DecodeLayers", "decode_layers", "argmax_rows", "qmatmul_argmax"]

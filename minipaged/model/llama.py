@@ -363,6 +363,19 @@ class LlamaModel(nn.Module):
         """(M, C) -> (M, vocab) float32. Only for the rows that get sampled: the head is the widest matmul."""
         return self.lm_head(hidden).float()
 
+    @torch.no_grad()
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """``compute_logits(hidden).argmax(-1)`` without making the logits, where the LM head
+        multiplies from its GGUF blocks (fp32 on a CPU, 9 to gguf_rows rows, no hooks on the
+        head): the same products, so the same tokens. None elsewhere: compute the logits then."""
+        head = self.lm_head
+        if (not (8 < hidden.shape[0] <= head.gguf_rows) or type(head) is not Linear or head.bias is not None
+                or not _no_hooks(head) or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks
+                or hidden.dtype != torch.float32 or hidden.device.type != "cpu"):
+            return None
+        blocks = head.blocks
+        return None if blocks is None else cpu_kernels.qmatmul_argmax(hidden, blocks)
+
     def linears(self) -> list[Linear]:
         """Every projection of every layer, and the LM head."""
         return [m for m in self.modules() if isinstance(m, Linear)]
