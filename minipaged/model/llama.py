@@ -256,6 +256,61 @@ def _fusable_parts(layer: nn.Module) -> tuple | None:
     return parts
 
 
+def _watch(model: nn.Module, kv_cache: KVCache) -> tuple:
+    """What a decode plan was built from, to check cheaply before each step: every module link
+    from the model down to each norm and linear layer (a replaced part), every module's hooks,
+    each weight's parameter object, memory and change counter and each linear layer's blocks,
+    and each layer's pages."""
+    links, modules, tensors, linears = [], [], [], []
+    layers = model._modules["layers"]
+    links.append((model._modules, "layers", layers))
+    for name, layer in layers._modules.items():
+        links.append((layers._modules, name, layer))
+        for parent in (layer, layer.self_attn, layer.mlp):
+            modules.append(parent)
+            for child_name, child in parent._modules.items():
+                links.append((parent._modules, child_name, child))
+                if isinstance(child, (Linear, RMSNorm)):
+                    modules.append(child)
+                    for pname in ("weight", "bias"):
+                        t = child._parameters.get(pname)
+                        tensors.append((child._parameters, pname, t, None if t is None else t.data_ptr(),
+                                        None if t is None else _version(t)))
+                if isinstance(child, Linear):
+                    linears.append((child, child.__dict__.get("blocks")))
+                elif isinstance(child, RMSNorm):
+                    linears.append((child, child.eps))
+    modules.append(model.embed_tokens)
+    pages = [(kv_cache.k, i, t, t.data_ptr(), t.shape) for i, t in enumerate(kv_cache.k)] + \
+            [(kv_cache.v, i, t, t.data_ptr(), t.shape) for i, t in enumerate(kv_cache.v)]
+    return links, modules, tensors, linears, pages, len(kv_cache.k), len(kv_cache.v)
+
+
+def _watch_holds(watch: tuple, n: int, kv_cache: KVCache) -> bool:
+    links, modules, tensors, linears, pages, nk, nv = watch
+    if len(kv_cache.k) != nk or len(kv_cache.v) != nv:
+        return False
+    for d, name, obj in links:
+        if d.get(name) is not obj:
+            return False
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks:
+            return False
+    for d, name, t, ptr, version in tensors:
+        if d.get(name) is not t or (t is not None and (t.data_ptr() != ptr or _version(t) != version)):
+            return False
+    for m, kept in linears:
+        if type(m) is Linear:
+            if m.__dict__.get("blocks") is not kept or m.gguf_rows < n:
+                return False
+        elif m.eps != kept:
+            return False
+    for lst, i, t, ptr, shape in pages:
+        if lst[i] is not t or t.data_ptr() != ptr or t.shape != shape:
+            return False
+    return True
+
+
 class LlamaModel(nn.Module):
     """The decoder stack plus LM head. ``forward`` gives hidden states; ``compute_logits`` the logits."""
 
@@ -318,6 +373,9 @@ class LlamaModel(nn.Module):
                 or not kv_cache.k or not cpu_kernels.applies(x, kv_cache.k[0], kv_cache.v[0])
                 or not _no_hooks(self.embed_tokens)):  # x is updated in place: it must be the embedding's own
             return None
+        cached = self.__dict__.get("_decode_plan_cache")
+        if cached is not None and cached[0] == (id(kv_cache), n <= 8) and _watch_holds(cached[2], n, kv_cache):
+            return cached[1]  # nothing it was built from has changed
         key = [id(kv_cache), n <= 8]
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v):
             parts = _fusable_parts(layer)
@@ -338,8 +396,8 @@ class LlamaModel(nn.Module):
         if len(kv_cache.k) != len(self.layers) or len(kv_cache.v) != len(self.layers):
             return None
         key = tuple(key)
-        cached = self.__dict__.get("_decode_plan_cache")
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[3] == key:
+            self.__dict__["_decode_plan_cache"] = (key[:2], cached[1], _watch(self, kv_cache), key)
             return cached[1]
         eps = {layer.input_layernorm.eps for layer in self.layers} | {layer.post_attention_layernorm.eps for layer in self.layers}
         if len(eps) != 1:
@@ -355,7 +413,7 @@ class LlamaModel(nn.Module):
                            "k_cache": k_cache, "v_cache": v_cache})
         plan = cpu_kernels.DecodeLayers(layers, eps.pop(), {"C": c.hidden_size, "H": c.num_heads, "H_kv": c.num_kv_heads,
                                                             "D": c.head_dim, "I": c.intermediate_size})
-        self.__dict__["_decode_plan_cache"] = (key, plan)
+        self.__dict__["_decode_plan_cache"] = (key[:2], plan, _watch(self, kv_cache), key)
         return plan
 
     @torch.no_grad()
