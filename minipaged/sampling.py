@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import cpu_kernels
-
 
 MIN_TEMPERATURE = 1e-2  # below this, softmax(logits / T) under/overflows in fp32: use 0 (greedy) instead
 MAX_SEED = 2**63 - 1
@@ -119,10 +117,9 @@ class Sampler:
         out = [0] * len(params)
         if greedy_rows:
             # One pass over every row: no softmax, and no copy of the greedy rows' logits (at batch
-            # 64 that copy is 12 MiB a step). The first maximum of each row, as argmax documents it:
-            # in C on a CPU (cpu_kernels.argmax_rows), else max(dim).indices (about a third of
-            # argmax's time on a CPU). Sampled rows are overwritten below.
-            out = cpu_kernels.argmax_rows(logits) if logits.device.type == "cpu" else logits.max(dim=-1).indices.tolist()
+            # 64 that copy is 12 MiB a step). max(dim).indices is argmax (the first maximum, as
+            # documented) at about a third of argmax's time on a CPU. Sampled rows are overwritten below.
+            out = logits.max(dim=-1).indices.tolist()
         for i, p in enumerate(params):
             if p.greedy:
                 continue

@@ -895,29 +895,3 @@ int minipaged_decode_layers_f32(const mp_layer *layers, int64_t num_layers, cons
     }
     return failed ? -2 : 0;
 }
-
-/* ---- greedy sampling ------------------------------------------------------------------------
- * idx[r] = the first position of the largest value of row r of x (R rows of V floats, stride
- * apart), as torch.argmax gives it; -1 for a row holding a NaN (the caller asks PyTorch, whose
- * rule for NaN is its own). Pass 1 finds the row's max, pass 2 its first position. */
-void minipaged_argmax_rows_f32(const float *x, int64_t stride, int64_t R, int64_t V, int64_t *idx) {
-#pragma omp parallel for schedule(static) if (R * V > (1 << 16))
-    for (int64_t r = 0; r < R; r++) {
-        const float *row = x + r * stride;
-        float m = row[0];
-        int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-        for (int64_t i = 0; i < V; i++) {
-            m = row[i] > m ? row[i] : m;
-            nan |= row[i] != row[i];
-        }
-        int64_t at = -1;
-        if (!nan)
-            for (int64_t i = 0; i < V; i++)
-                if (row[i] == m) {
-                    at = i;
-                    break;
-                }
-        idx[r] = at;
-    }
-}

@@ -132,8 +132,6 @@ def _build() -> ctypes.CDLL:
         lib.minipaged_exp_f32.restype = None
         lib.minipaged_qmatmul_argmax_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, p]
         lib.minipaged_qmatmul_argmax_f32.restype = ctypes.c_int
-        lib.minipaged_argmax_rows_f32.argtypes = [p, i64, i64, i64, p]
-        lib.minipaged_argmax_rows_f32.restype = None
         lib.minipaged_decode_layers_f32.argtypes = [p, i64, p]
         lib.minipaged_decode_layers_f32.restype = ctypes.c_int
         return lib
@@ -412,24 +410,6 @@ def decode_layers(plan: DecodeLayers, x: torch.Tensor, cos: torch.Tensor, sin: t
     raise ValueError("the layers' weights do not fit the step's shapes")
 
 
-def argmax_rows(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax (its first largest value, as ``logits.argmax(-1)``) for (M, V) fp32 CPU
-    logits whose rows are contiguous: one pass per row, split over the cores (PyTorch's max over
-    dim -1 takes about 2 ms at 64 x 49152 here, this about a fifth of that). A row holding a NaN
-    gets PyTorch's answer."""
-    if not available() or logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" \
-            or logits.stride(1) != 1 or logits.shape[1] == 0 or (logits.requires_grad and torch.is_grad_enabled()):
-        return logits.max(dim=-1).indices.tolist()
-    M, V = logits.shape
-    idx = torch.empty(M, dtype=torch.int64)
-    _lib.minipaged_argmax_rows_f32(logits.data_ptr(), logits.stride(0), M, V, idx.data_ptr())
-    out = idx.tolist()
-    for i, at in enumerate(out):
-        if at < 0:  # a NaN in the row
-            out[i] = int(logits[i].max(dim=-1).indices.item())
-    return out
-
-
 def qmatmul_argmax(x: torch.Tensor, blocks) -> list[int] | None:
     """Each row's argmax of ``qmatmul(x, blocks)`` (its first largest output), without making the
     product: greedy sampling from the LM head, whose logits are 12 MB a step at batch 64. The same
@@ -472,4 +452,4 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 __all__ = ["available", "why_not", "applies", "paged_decode", "fused_ops_apply", "rmsnorm", "silu_mul", "rope_", "qmatmul", "qmatmul_fast", "qmatmul_why_not",
-           "write_kv_applies", "write_kv", "DecodeLayers", "decode_layers", "argmax_rows", "qmatmul_argmax"]
+           "write_kv_applies", "write_kv", "DecodeLayers", "decode_layers", "qmatmul_argmax"]

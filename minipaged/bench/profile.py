@@ -16,7 +16,8 @@ Each batch size serves that many real chat requests x ``max_tokens`` new tokens 
 (greedy, EOS ignored, fp32), and the shares are of the summed step time of the whole run,
 prefill steps included. Timing each part needs each part called on its own, so under the timers
 the model runs its layers one call at a time (hooks switch off the one-call decode of
-model/llama.py); the same run with no timers follows, and its ms per step is the served speed. Prints a markdown table (the README's) and can write JSON.
+model/llama.py); the same run with no timers follows, and its ms per step is the served speed.
+Prints a markdown table (the README's) and can write JSON.
 """
 from __future__ import annotations
 
@@ -94,19 +95,25 @@ def _timing_backend(backend: Any, timers: Timers) -> Any:
                             timers.wrap("attention", backend.paged_attention), backend.takes_num_decodes)
 
 
+def _engine(model, tokenizer, requests, max_num_seqs: int, max_num_batched_tokens: int, attention: Any, block_size: int):
+    """The engine both runs serve with: just enough KV blocks for every request at once."""
+    from ..engine import LLMEngine
+
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    num_blocks = min(len(requests), max_num_seqs) * -(-longest // block_size) + 1
+    return LLMEngine(model, tokenizer, attention=attention, block_size=block_size, num_blocks=num_blocks,
+                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, record_trace=False)
+
+
 def profile_engine(model, tokenizer, requests, max_num_seqs: int, max_num_batched_tokens: int = 2048,
                    attention: str = "torch", block_size: int = 16) -> dict:
     """Serve ``requests`` once with timers on; returns seconds per category and the step total."""
     from ..attention import get_backend
-    from ..engine import LLMEngine
     from ..sampling import SamplingParams
 
     timers = Timers()
     backend = _timing_backend(get_backend(attention, next(model.parameters()).device), timers)
-    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
-    num_blocks = min(len(requests), max_num_seqs) * -(-longest // block_size) + 1
-    eng = LLMEngine(model, tokenizer, attention=backend, block_size=block_size, num_blocks=num_blocks,
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, record_trace=False)
+    eng = _engine(model, tokenizer, requests, max_num_seqs, max_num_batched_tokens, backend, block_size)
     handles = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and mod is not model.lm_head:
@@ -159,13 +166,9 @@ def untimed_steps(model, tokenizer, requests, max_num_seqs: int, max_num_batched
     """The same run as ``profile_engine`` with no timers: the timers' hooks and timing backend
     make the model run its layers one call at a time, so this is what the engine's step costs
     as it serves (a decode step's layers in one C call where the model can, model/llama.py)."""
-    from ..engine import LLMEngine
     from ..sampling import SamplingParams
 
-    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
-    num_blocks = min(len(requests), max_num_seqs) * -(-longest // block_size) + 1
-    eng = LLMEngine(model, tokenizer, attention=attention, block_size=block_size, num_blocks=num_blocks,
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, record_trace=False)
+    eng = _engine(model, tokenizer, requests, max_num_seqs, max_num_batched_tokens, attention, block_size)
     for r in requests:
         eng.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
     t_run = time.perf_counter()

@@ -227,11 +227,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(norm(x))
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
-    """What identifies a small weight's values for the decode plan: its memory and change counter."""
-    return (t.data_ptr(), _version(t), t.dtype, t.is_contiguous(), t.numel())
-
-
 def _no_hooks(m: nn.Module) -> bool:
     return not (m._forward_hooks or m._forward_pre_hooks)
 
@@ -260,7 +255,7 @@ def _watch(model: nn.Module, kv_cache: KVCache) -> tuple:
     """What a decode plan was built from, to check cheaply before each step: every module link
     from the model down to each norm and linear layer (a replaced part), every module's hooks,
     each weight's parameter object, memory and change counter and each linear layer's blocks,
-    and each layer's pages."""
+    and where each layer's pages lie (any cache whose pages lie there is served by the plan)."""
     links, modules, tensors, linears = [], [], [], []
     layers = model._modules["layers"]
     links.append((model._modules, "layers", layers))
@@ -281,8 +276,8 @@ def _watch(model: nn.Module, kv_cache: KVCache) -> tuple:
                 elif isinstance(child, RMSNorm):
                     linears.append((child, child.eps))
     modules.append(model.embed_tokens)
-    pages = [(kv_cache.k, i, t, t.data_ptr(), t.shape) for i, t in enumerate(kv_cache.k)] + \
-            [(kv_cache.v, i, t, t.data_ptr(), t.shape) for i, t in enumerate(kv_cache.v)]
+    # the pages by address and shape only: holding them would keep a finished engine's cache alive
+    pages = [(t.data_ptr(), t.shape) for t in kv_cache.k + kv_cache.v]
     return links, modules, tensors, linears, pages, len(kv_cache.k), len(kv_cache.v)
 
 
@@ -305,8 +300,8 @@ def _watch_holds(watch: tuple, n: int, kv_cache: KVCache) -> bool:
                 return False
         elif m.eps != kept:
             return False
-    for lst, i, t, ptr, shape in pages:
-        if lst[i] is not t or t.data_ptr() != ptr or t.shape != shape:
+    for t, (ptr, shape) in zip(kv_cache.k + kv_cache.v, pages):
+        if t.data_ptr() != ptr or t.shape != shape:
             return False
     return True
 
@@ -374,31 +369,16 @@ class LlamaModel(nn.Module):
                 or not _no_hooks(self.embed_tokens)):  # x is updated in place: it must be the embedding's own
             return None
         cached = self.__dict__.get("_decode_plan_cache")
-        if cached is not None and cached[0] == (id(kv_cache), n <= 8) and _watch_holds(cached[2], n, kv_cache):
-            return cached[1]  # nothing it was built from has changed
-        key = [id(kv_cache), n <= 8]
+        if cached is not None and _watch_holds(cached[1], n, kv_cache):
+            return cached[0]  # nothing it was built from has changed
+        if len(kv_cache.k) != len(self.layers) or len(kv_cache.v) != len(self.layers):
+            return None
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v):
             parts = _fusable_parts(layer)
             if parts is None or not cpu_kernels.applies(x, k_cache, v_cache):
                 return None
-            key.append((k_cache.data_ptr(), k_cache.shape, v_cache.data_ptr(), v_cache.shape))
-            for m in parts:
-                if isinstance(m, Linear):
-                    blocks = m.blocks
-                    if blocks is None or n > m.gguf_rows:
-                        return None
-                    key.append(blocks.pointers + blocks.row_pointers + (blocks.out_features, blocks.in_features))
-                    if m.bias is not None:
-                        key.append(_tensor_key(m.bias))
-                else:  # an RMSNorm
-                    key.append(_tensor_key(m.weight))
-                    key.append(m.eps)
-        if len(kv_cache.k) != len(self.layers) or len(kv_cache.v) != len(self.layers):
-            return None
-        key = tuple(key)
-        if cached is not None and cached[3] == key:
-            self.__dict__["_decode_plan_cache"] = (key[:2], cached[1], _watch(self, kv_cache), key)
-            return cached[1]
+            if any(isinstance(m, Linear) and (m.blocks is None or n > m.gguf_rows) for m in parts):
+                return None
         eps = {layer.input_layernorm.eps for layer in self.layers} | {layer.post_attention_layernorm.eps for layer in self.layers}
         if len(eps) != 1:
             return None
@@ -413,7 +393,7 @@ class LlamaModel(nn.Module):
                            "k_cache": k_cache, "v_cache": v_cache})
         plan = cpu_kernels.DecodeLayers(layers, eps.pop(), {"C": c.hidden_size, "H": c.num_heads, "H_kv": c.num_kv_heads,
                                                             "D": c.head_dim, "I": c.intermediate_size})
-        self.__dict__["_decode_plan_cache"] = (key[:2], plan, _watch(self, kv_cache), key)
+        self.__dict__["_decode_plan_cache"] = (plan, _watch(self, kv_cache))
         return plan
 
     @torch.no_grad()
