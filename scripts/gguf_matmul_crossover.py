@@ -39,11 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     model, _ = load_model(None)
     layers = [m for m in model.linears() if m.blocks is not None]
     flops_per_row = 2 * sum(m.weight.numel() for m in layers)
+    body = [m for m in layers if m is not model.lm_head]
     gemm = gemm_gflops()
     lines = [f"{len(layers)} linear layers with GGUF blocks ({', '.join(model.gguf_blocks_info()['kinds'])}); "
              f"fp32 1024^3 matmul: {gemm:.0f} GFLOP/s; GGUF_MATMUL_MAX_ROWS = {GGUF_MATMUL_MAX_ROWS}", "",
-             "| rows | GGUF matmul, whole step | MKL on fp32, whole step | GGUF / MKL | GGUF, one layer in a loop |",
-             "|---|---|---|---|---|"]
+             "| rows | GGUF matmul, whole step | MKL on fp32, whole step | GGUF / MKL | GGUF / MKL, body only "
+             "| GGUF, one layer in a loop |",
+             "|---|---|---|---|---|---|"]
     for line in lines:
         print(line)
     up = model.layers[0].mlp.up_proj
@@ -52,12 +54,16 @@ def main(argv: list[str] | None = None) -> int:
             xs = {k: torch.randn(m, k) for k in {lin.in_features for lin in layers}}
             q = best(lambda: [cpu_kernels.qmatmul(xs[lin.in_features], lin.blocks) for lin in layers], a.repeats)
             f = best(lambda: [F.linear(xs[lin.in_features], lin.weight) for lin in layers], a.repeats)
+            # a prefill: every decoder layer's matmuls, the LM head only on the last rows (left out)
+            qb = best(lambda: [cpu_kernels.qmatmul(xs[lin.in_features], lin.blocks) for lin in body], a.repeats)
+            fb = best(lambda: [F.linear(xs[lin.in_features], lin.weight) for lin in body], a.repeats)
             x = xs[up.in_features]
             loops = max(1, 2000 // m)
             one = best(lambda: [cpu_kernels.qmatmul(x, up.blocks) for _ in range(loops)], a.repeats) / loops
             rate = lambda s, n=flops_per_row: n * m / s / 1e9  # noqa: E731
             lines.append(f"| {m} | {rate(q):.0f} GFLOP/s ({q * 1e3:.1f} ms, {rate(q) / gemm:.0%}) "
                          f"| {rate(f):.0f} GFLOP/s ({f * 1e3:.1f} ms, {rate(f) / gemm:.0%}) | {f / q:.2f}x "
+                         f"| {fb / qb:.2f}x ({qb * 1e3:.1f} vs {fb * 1e3:.1f} ms) "
                          f"| {2 * up.weight.numel() * m / one / 1e9:.0f} GFLOP/s "
                          f"({2 * up.weight.numel() * m / one / 1e9 / gemm:.0%}) |")
             print(lines[-1], flush=True)
@@ -67,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         head = ["# The GGUF matmul against MKL on the fp32 copies", "",
                 f"Command: `python scripts/gguf_matmul_crossover.py --out {a.out}` on {os.cpu_count()} CPU cores "
                 f"({platform.machine()}), torch {torch.__version__}, {torch.get_num_threads()} threads. A whole step: "
-                "every linear layer of the default model in turn and the LM head, x (rows, in) @ W^T; one layer in a "
+                "every linear layer of the default model in turn and the LM head, x (rows, in) @ W^T; body only: "
+                "the same without the LM head (a prefill's matmuls: there the head runs only on each sequence's last "
+                "row); one layer in a "
                 "loop: layer 0's MLP up-projection again and again (its weights stay in cache). Percentages are of "
                 "the 1024^3 fp32 matmul rate measured in the same run.", ""]
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

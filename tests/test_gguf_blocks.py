@@ -83,6 +83,24 @@ def test_the_kernel_is_an_fp32_matmul(kind, m):
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_long_batch_goes_in_row_chunks_and_each_row_gets_the_same_bits(kind):
+    """A prefill's batch runs 1024 rows at a time (QROWS in cpu_kernels.c): rows on either side
+    of a chunk boundary, and the part-filled last chunk, get exactly the bits they get in a small
+    batch of their own, and every row is an fp32 matmul's."""
+    k = 320
+    blocks = GGUFBlocks.from_file_rows(kind, random_rows(kind, 40, k, seed=5))
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(2 * 1024 + 21, k + 8, generator=g)
+    x = wide[:, 3:3 + k]  # strided rows
+    got = cpu_kernels.qmatmul(x, blocks)
+    assert_fp32_close(got, x, blocks.dequantize())
+    for start in (0, 1016, 1020, 1024, 2040, 2048, 2048 + 21 - 13):
+        part = cpu_kernels.qmatmul(x[start:start + 13], blocks)
+        assert torch.equal(got[start:start + 13], part), f"rows {start}..{start + 12} differ from a batch of their own"
+
+
+@needs_kernels
 def test_bad_blocks_and_inputs_are_refused_with_a_reason():
     raw = random_rows("Q4_1", 4, 64)
     with pytest.raises(ValueError, match="Q2_K blocks are not supported"):

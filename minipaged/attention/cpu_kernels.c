@@ -314,10 +314,13 @@ int minipaged_write_kv_f32(float *k_cache, float *v_cache, const float *k, const
  * A GEMM: each thread takes pairs of groups (32 outputs), rebuilds a QKC-long stretch of the
  * pair's weights at a time into an fp32 panel that stays in L1, and multiplies every QM-row tile
  * of x against it, with QM x 32 accumulators in registers. (Up to 8 rows of x the row layout's
- * minipaged_qmatvec_f32 below serves instead: it streams better.) */
+ * minipaged_qmatvec_f32 below serves instead: it streams better.) A prefill's long batch goes
+ * QROWS rows at a time, so that the rows every pair reads again stay near in cache; each row's
+ * sums are the same whichever chunk and tile it falls in. */
 #define QBLOCK 32
-#define QM 8      /* rows of x per tile: 8 x 2 accumulator registers */
-#define QKC 256   /* k per panel stretch: 256 x 32 floats = 32 KB, in L1 */
+#define QM 8       /* rows of x per tile: 8 x 2 accumulator registers */
+#define QKC 256    /* k per panel stretch: 256 x 32 floats = 32 KB, in L1 */
+#define QROWS 1024 /* rows of x per pass over the weights (a multiple of QM) */
 
 static inline float q_weight(int kind, const uint8_t *qt, const float *dt, const float *mt, int64_t K, int64_t n,
                              int64_t k) {
@@ -515,12 +518,18 @@ static int qmatmul_avx512(const float *x, int64_t x_stride, const uint8_t *qt, c
     {
         /* the pair's weights, one QKC-long stretch of k at a time; each tile's accumulators wait
          * in accs between stretches */
+        const int64_t rows_max = M < QROWS ? M : QROWS;
         float *panel = (float *)aligned_alloc(64, sizeof(float) * 32 * QKC);
-        float *accs = (float *)aligned_alloc(64, sizeof(float) * 32 * ((M + QM - 1) / QM) * QM);
+        float *accs = (float *)aligned_alloc(64, sizeof(float) * 32 * ((rows_max + QM - 1) / QM) * QM);
         if (!panel || !accs) bad = 1;
+        for (int64_t m0 = 0; m0 < M; m0 += QROWS) {
+            const int64_t mc = M - m0 < QROWS ? M - m0 : QROWS;
 #pragma omp for schedule(static)
-        for (int64_t pr = 0; pr < pairs; pr++)
-            if (panel && accs) qlane_pair(x, x_stride, qt, dt, mt, kind, y, M, N, K, pr, panel, accs, NULL, NULL);
+            for (int64_t pr = 0; pr < pairs; pr++)
+                if (panel && accs)
+                    qlane_pair(x + m0 * x_stride, x_stride, qt, dt, mt, kind, y + m0 * N, mc, N, K, pr, panel, accs,
+                               NULL, NULL);
+        }
         free(panel);
         free(accs);
     }

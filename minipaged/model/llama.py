@@ -48,10 +48,13 @@ def _unchanged(t: torch.Tensor, signature: tuple) -> bool:
 
 
 # Batches of at most this many rows go through the GGUF blocks (cpu_kernels.qmatmul) when a
-# Linear keeps them and use_gguf_blocks is on: every decode batch, and prefill chunks up to
-# here, where reading a fifth of the bytes beats MKL's GEMM on the fp32 copy; longer prefill
-# chunks run at MKL's full GEMM rate (scripts/gguf_matmul_crossover.py measures both).
-GGUF_MATMUL_MAX_ROWS = 256
+# Linear keeps them and use_gguf_blocks is on. scripts/gguf_matmul_crossover.py measures where
+# that beats MKL's GEMM on the fp32 copy: at every decode batch (it reads a fifth of the bytes),
+# and, on this project's machine, at every prefill size too (its "body only" column: 1.2-1.4x
+# MKL from 256 to 2048 rows; the kernel goes 1024 rows at a time). So the limit is far above any
+# batch the engine makes (a step is at most max_num_batched_tokens rows): set it lower, or call
+# model.use_gguf_blocks(rows), where your machine's table says MKL wins above some size.
+GGUF_MATMUL_MAX_ROWS = 1 << 16
 
 
 class Linear(nn.Linear):
