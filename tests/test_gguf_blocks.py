@@ -1,4 +1,4 @@
-"""Small batches multiply straight from the GGUF blocks (model/gguf_blocks.py, cpu_kernels.qmatmul).
+"""Batches multiply straight from the GGUF blocks (model/gguf_blocks.py, cpu_kernels.qmatmul).
 
 - the kernel rebuilds every weight bit for bit as gguf.quants dequantizes it, for Q4_0, Q4_1
   and Q8_0 (fp16 scales of every sign and size, subnormal ones too), and its products are an

@@ -105,7 +105,7 @@ def load_model(
     net.load_hf_state_dict(state_dict)
     net = net.to(device).eval()
     if blocks:
-        # small batches multiply straight from the file's quantized blocks (the same fp32 weights,
+        # every batch multiplies straight from the file's quantized blocks (the same fp32 weights,
         # a fifth of the bytes); LlamaModel.use_gguf_blocks(0) or EngineConfig(gguf_blocks=False) turns it off
         net.keep_gguf_blocks(blocks)
         net.use_gguf_blocks()
