@@ -34,8 +34,8 @@ class EngineConfig:
     # most a quarter of free memory; True: on, refused where it cannot be; False: off.
     packed_gemm: bool | None = None
     # Batches of at most model.llama.GGUF_MATMUL_MAX_ROWS rows (every decode step and prefill
-    # chunk the engine makes) multiply straight from the GGUF file's quantized integers and scales: the same fp32
-    # weights, a fifth of the bytes read (model/gguf_blocks.py). None: on where the model keeps
+    # chunk the engine makes) multiply straight from the GGUF file's quantized integers and
+    # scales: the same fp32 weights, a fifth of the bytes read (model/gguf_blocks.py). None: on where the model keeps
     # them (load_model gives a GGUF model in fp32 on a CPU its blocks) and the C kernels build
     # (then packed_gemm=None does not pack: full decode batches use the blocks); True: on,
     # refused where it cannot be; False: off, every batch reads the fp32 copy.

@@ -48,12 +48,10 @@ def _unchanged(t: torch.Tensor, signature: tuple) -> bool:
 
 
 # Batches of at most this many rows go through the GGUF blocks (cpu_kernels.qmatmul) when a
-# Linear keeps them and use_gguf_blocks is on. scripts/gguf_matmul_crossover.py measures where
-# that beats MKL's GEMM on the fp32 copy: at every decode batch (it reads a fifth of the bytes),
-# and, on this project's machine, at every prefill size too (its "body only" column: 1.2-1.4x
-# MKL from 256 to 2048 rows; the kernel goes 1024 rows at a time). So the limit is far above any
-# batch the engine makes (a step is at most max_num_batched_tokens rows): set it lower, or call
-# model.use_gguf_blocks(rows), where your machine's table says MKL wins above some size.
+# Linear keeps them and use_gguf_blocks is on. On this project's machine that beats MKL's GEMM
+# on the fp32 copy at every size, prefills included (scripts/gguf_matmul_crossover.py, its "body
+# only" column), so the limit is above any step the engine makes. Where your machine's table says
+# MKL wins above some size, call model.use_gguf_blocks(rows) with that size.
 GGUF_MATMUL_MAX_ROWS = 1 << 16
 
 
