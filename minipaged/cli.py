@@ -93,18 +93,18 @@ def _info(args: argparse.Namespace) -> int:
     else:
         print("triton: not installed (fine on macOS: attention='torch' is used)")
     print(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '(unset)')}")
-    from .attention import cpu_kernels
-    from .model.llama import mkl_packing_available
+    from .cpu import build
+    from .cpu.executor import mkl_packing_available
 
-    why = cpu_kernels.why_not()
-    print("CPU kernels (decode attention, fused ops): " + ("built, in use for fp32 on the CPU" if why is None else
-          f"not in use, the PyTorch path runs instead: {why}"))
+    cinfo = build.info()
+    if cinfo.get("why_not"):
+        print(f"CPU kernels (minipaged/cpu): not built, every route stays on PyTorch: {cinfo['why_not']}")
+    else:
+        print(f"CPU kernels (minipaged/cpu): {cinfo['compiler']} {cinfo['flags']}; OpenMP "
+              f"{'on' if cinfo['openmp'] else 'OFF (one core: the plan keeps PyTorch unless c_kernels=True)'}; "
+              f"GGUF matmul {'AVX-512' if cinfo['avx512'] else 'portable loop only (the plan refuses it unless gguf_blocks=True)'}")
     print("MKL packed weights (packed_gemm): " + ("available" if mkl_packing_available() else "not in this PyTorch"))
-    why_q = cpu_kernels.qmatmul_why_not()
-    print("GGUF matmul (gguf_blocks): " + ("built: fp32 GGUF models on the CPU multiply from the file's Q4_0/Q4_1/Q8_0 blocks"
-          if why_q is None else f"not in use, the fp32 copy serves instead: {why_q}"))
-    print("one-call decode (LlamaModel.fused_decode): " + ("on: a step of decodes runs every layer in one C call"
-          if why_q is None else "off: it needs the GGUF matmul"))
+    print("Which fast path an engine takes is its plan: print(LLM().engine.plan); LLM(fast_paths=False) is the plain route.")
     try:
         from .model import default_model_path
 
@@ -122,6 +122,7 @@ BENCH_COMMANDS = [
     ("profile", ".bench.profile", "where a step's time goes at batch 1, 16 and 64"),
     ("detok", ".bench.detok", "what detokenizing costs per token, incremental against a full re-decode"),
     ("prefix", ".bench.prefix", "a shared system prompt with the prefix cache on and off"),
+    ("paper", ".bench.gpu.paper", "the PagedAttention paper's Figs. 12-13 on a simulated GPU (real scheduler, no model)"),
 ]
 
 
@@ -143,7 +144,10 @@ def _add_module_command(sub, name: str, module: str, help: str) -> argparse.Argu
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="minipaged", description="A small paged-attention LLM engine and its course.")
+    ap.add_argument("--version", action="version", version=f"minipaged {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{demo,serve,bench,grade,info}")
     d = sub.add_parser("demo", help="serve several chat prompts at once with the default model and report what happened")
     d.add_argument("--model", default=None, help="a GGUF file or a local Hugging Face folder (default: SmolLM2-135M-Instruct)")
@@ -162,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description=(serving.__doc__ or "").strip().splitlines()[0])
     serving.add_arguments(b)
     b.set_defaults(fn=serving.run, _parser=b)
-    bsub = b.add_subparsers(dest="bench_cmd", metavar="{kernels,speed,profile,detok,prefix,serve}")
+    bsub = b.add_subparsers(dest="bench_cmd", metavar="{kernels,speed,profile,detok,prefix,paper,serve}")
     for name, module, help in BENCH_COMMANDS:
         _add_module_command(bsub, name, module, help)
     try:

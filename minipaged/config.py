@@ -8,8 +8,17 @@ unknown keyword with the nearest valid one.
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+
+def _env_on(name: str) -> bool:
+    """An environment variable only sets a default: unset or anything but 0/false/no/off is on."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+FAST_PATH_FIELDS = ("c_kernels", "gguf_blocks", "packed_gemm", "whole_step_decode", "greedy_from_head", "prefill_as_decodes")
 
 
 @dataclass(frozen=True)
@@ -28,18 +37,29 @@ class EngineConfig:
     # True: on, refused for a scheduler that does not declare it; False: off
     enable_prefix_caching: bool | None = None
     record_trace: bool = True
-    # MKL-packed weights for full decode batches (max_num_seqs rows), fp32 on a CPU only.
-    # None: on when MKL packing is there, no address-space limit is set (MKL reserves about 4x
-    # the weights' bytes of address space, and touches about 1x) and the packed copy takes at
-    # most a quarter of free memory; True: on, refused where it cannot be; False: off.
-    packed_gemm: bool | None = None
-    # Batches of at most model.llama.GGUF_MATMUL_MAX_ROWS rows (every decode step and prefill
-    # chunk the engine makes) multiply straight from the GGUF file's quantized integers and
-    # scales: the same fp32 weights, a fifth of the bytes read (model/gguf_blocks.py). None: on where the model keeps
-    # them (load_model gives a GGUF model in fp32 on a CPU its blocks) and the C kernels build
-    # (then packed_gemm=None does not pack: full decode batches use the blocks); True: on,
-    # refused where it cannot be; False: off, every batch reads the fp32 copy.
+    # -- speed: every fast path is chosen once, per engine, by minipaged/cpu/executor.py ----------
+    # The master switch. False: the plain PyTorch model and the chosen attention backend only
+    # (the route the lessons teach). Default from $MINIPAGED_FAST_PATHS (0 turns it off).
+    fast_paths: bool = field(default_factory=lambda: _env_on("MINIPAGED_FAST_PATHS"))
+    # Each fast path below: None, on where it can be (the plan says why not elsewhere); True, on,
+    # and the engine is refused where it cannot be; False, off.
+    # The C kernels (minipaged/cpu/csrc), fp32 on a CPU. Default from $MINIPAGED_CPU_KERNELS.
+    c_kernels: bool | None = field(default_factory=lambda: None if _env_on("MINIPAGED_CPU_KERNELS") else False)
+    # Linear layers multiply straight from a GGUF file's Q4_0/Q4_1/Q8_0 blocks (the same fp32
+    # weights rebuilt block by block, a fifth of the bytes read): models loaded from a GGUF file,
+    # on a CPU with AVX-512.
     gguf_blocks: bool | None = None
+    # MKL-packed weights for full decode batches (max_num_seqs rows), fp32 weights on a CPU; by
+    # default only where the GGUF matmul does not serve and the copy fits.
+    packed_gemm: bool | None = None
+    # A step of decodes only runs every layer in one C call (needs the GGUF matmul on every layer,
+    # the C element-wise ops and the C attention).
+    whole_step_decode: bool | None = None
+    # Greedy rows take their token straight from the LM head's GGUF matmul, without the logits.
+    greedy_from_head: bool | None = None
+    # With the C attention, a prefill chunk over a short context (<= 256) attends each new token
+    # as one decode query, straight from the pages.
+    prefill_as_decodes: bool | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -59,10 +79,12 @@ class EngineConfig:
         for name in ("enable_chunked_prefill", "record_trace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.packed_gemm is not None and not isinstance(self.packed_gemm, bool):
-            raise ValueError(f"packed_gemm must be True, False or None (on where it helps), got {self.packed_gemm!r}")
-        if self.gguf_blocks is not None and not isinstance(self.gguf_blocks, bool):
-            raise ValueError(f"gguf_blocks must be True, False or None (on where the model keeps them), got {self.gguf_blocks!r}")
+        if not isinstance(self.fast_paths, bool):
+            raise ValueError(f"fast_paths must be True or False, got {self.fast_paths!r}")
+        for name in FAST_PATH_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None (on where it can be), got {value!r}")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True, False or None (on when the scheduler supports it), "
                              f"got {self.enable_prefix_caching!r}")
@@ -80,20 +102,7 @@ class Parts:
     scheduler_cls: Any = None  # default: minipaged.Scheduler
     attention: Any = "auto"  # "auto", "torch", "triton", "reference", or a paged_attention function
     prefix_cache_cls: Any = None  # default: minipaged.prefix_cache.PrefixCache (used when prefix caching is on)
-
-    def resolved(self) -> "Parts":
-        from .block_allocator import BlockAllocator
-        from .block_table import BlockTable
-        from .prefix_cache import PrefixCache
-        from .scheduler import Scheduler
-
-        return Parts(
-            self.allocator_cls or BlockAllocator,
-            self.block_table_cls or BlockTable,
-            self.scheduler_cls or Scheduler,
-            self.attention,
-            self.prefix_cache_cls or PrefixCache,
-        )
+    # (None means minipaged's own part: the engine fills them in, minipaged.engine.resolve_parts)
 
 
 CONFIG_FIELDS = tuple(f.name for f in fields(EngineConfig))

@@ -19,6 +19,7 @@ inside gets a RuntimeError (``minipaged serve`` runs one engine loop that owns i
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import threading
@@ -29,15 +30,19 @@ from typing import Any, Iterator
 
 import torch
 
-from .attention import get_backend
+from .cpu.executor import Plan, make_executor
 from .config import CONFIG_FIELDS, PARTS_FIELDS, EngineConfig, Parts, split_kwargs
+from .block_allocator import BlockAllocator
+from .block_table import BlockTable
+from .data import FinishReason, Sequence, SequenceStatus
 from .detokenizer import StopChecker
-from .interfaces import BlockPool, BlockTableProtocol, SchedulerProtocol
+from .interfaces import BlockPool, BlockTableProtocol, PrefixCacheProtocol, SchedulerProtocol
 from .kv_cache import KVCache, available_memory_bytes, kv_bytes_per_token, plan_num_blocks
 from .parts import check_part, declared_support, require_support
 from .runner import ModelRunner
+from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
-from .sequence import FinishReason, Sequence, SequenceStatus
+from .scheduler import Scheduler
 
 
 @dataclass
@@ -85,13 +90,28 @@ class RequestOutput:
 @dataclass
 class _Request:
     seq: Sequence
-    params: SamplingParams
     prompt: Any
     samples: list = field(default_factory=list)  # every sequence of the request (n), sample 0 first
 
     def __post_init__(self) -> None:
         if not self.samples:
             self.samples = [self.seq] + list(self.seq.forks)
+
+    @property
+    def params(self) -> SamplingParams:
+        """The request's SamplingParams, as its sequence holds them (their one owner in the engine)."""
+        return self.seq.sampling_params
+
+
+def resolve_parts(parts: Parts) -> Parts:
+    """``parts`` with every part left at None replaced by minipaged's own (the config names no implementation)."""
+    return replace(
+        parts,
+        allocator_cls=parts.allocator_cls or BlockAllocator,
+        block_table_cls=parts.block_table_cls or BlockTable,
+        scheduler_cls=parts.scheduler_cls or Scheduler,
+        prefix_cache_cls=parts.prefix_cache_cls or PrefixCache,
+    )
 
 
 def resolve_prefix_caching(setting: bool | None, scheduler_cls: type) -> bool:
@@ -133,72 +153,6 @@ def _is_chat(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(m, dict) and "role" in m for m in x)
 
 
-def _room_to_pack(model: torch.nn.Module, device: torch.device) -> bool:
-    """MKL reserves about 4x a weight's bytes of address space per packed copy (it touches about
-    1x): no room under an address-space limit (a grader's sandbox), nor when the copy would take
-    more than a quarter of free memory."""
-    try:
-        import resource
-
-        if resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY:
-            return False
-    except (ImportError, ValueError, OSError):
-        pass
-    return sum(m.weight.numel() * 4 for m in model.linears()) <= available_memory_bytes(device) // 4
-
-
-def _pack_weights(model: torch.nn.Module, config: EngineConfig, gguf_blocks: bool = False) -> bool:
-    """Pack the weights for full decode batches as ``config.packed_gemm`` says (see EngineConfig);
-    True when they are packed. The model keeps the packs of the last engine built on it. With
-    ``gguf_blocks`` on, a full decode batch multiplies from the blocks, so auto does not pack."""
-    if not hasattr(model, "pack_weights"):
-        return False  # not minipaged's LlamaModel: nothing to pack
-    from .model.llama import mkl_packing_available
-
-    p = next(model.parameters())
-    possible = p.device.type == "cpu" and p.dtype == torch.float32 and mkl_packing_available()
-    if config.packed_gemm and not possible:
-        raise ValueError(f"packed_gemm=True needs fp32 weights on a CPU with MKL; these are {p.dtype} on {p.device}"
-                         f"{'' if mkl_packing_available() else ' and this PyTorch has no MKL packing'}: "
-                         "use packed_gemm=None (on where it can be) or False")
-    if config.packed_gemm is None:
-        from .model.llama import GGUF_MATMUL_MAX_ROWS
-
-        info = model.gguf_blocks_info()
-        covered = gguf_blocks and info["layers"] == info["of"] and config.max_num_seqs <= GGUF_MATMUL_MAX_ROWS
-        # a batch of 1-3 rows is a matrix-vector product: packing does not pay there
-        on = possible and not covered and config.max_num_seqs >= 4 and _room_to_pack(model, p.device)
-    else:
-        on = config.packed_gemm
-    model.pack_weights([config.max_num_seqs] if on else ())
-    return on
-
-
-def _use_gguf_blocks(model: torch.nn.Module, config: EngineConfig) -> bool:
-    """Let batches of up to GGUF_MATMUL_MAX_ROWS rows multiply from the GGUF blocks as
-    ``config.gguf_blocks`` says (see EngineConfig); True when they do. Like packing, this is the
-    model's state: the last engine built on a model sets it."""
-    if not hasattr(model, "use_gguf_blocks"):
-        if config.gguf_blocks:
-            raise ValueError("gguf_blocks=True needs minipaged's LlamaModel; use gguf_blocks=None or False")
-        return False
-    from .attention import cpu_kernels
-    from .model.llama import GGUF_MATMUL_MAX_ROWS
-
-    kept = model.gguf_blocks_info()["layers"]
-    p = next(model.parameters())
-    fits = p.device.type == "cpu" and p.dtype == torch.float32
-    possible = bool(kept) and fits and cpu_kernels.qmatmul_fast()
-    if config.gguf_blocks and not possible:
-        why = ("the model keeps no GGUF blocks (load a Q4_0/Q4_1/Q8_0 GGUF file with load_model in fp32 on the CPU)"
-               if not kept else f"the weights are {p.dtype} on {p.device}, not fp32 on the CPU" if not fits
-               else cpu_kernels.qmatmul_why_not())
-        raise ValueError(f"gguf_blocks=True cannot be honoured: {why}; use gguf_blocks=None (on where it can be) or False")
-    on = possible and config.gguf_blocks is not False
-    model.use_gguf_blocks(GGUF_MATMUL_MAX_ROWS if on else 0)
-    return on
-
-
 class LLMEngine:
     """``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``.
 
@@ -217,7 +171,7 @@ class LLMEngine:
             config = (config or EngineConfig()).replace(**{k: v for k, v in kwargs.items() if k in CONFIG_FIELDS})
             parts = replace(parts or Parts(), **{k: v for k, v in kwargs.items() if k in PARTS_FIELDS})
         config = config or EngineConfig()
-        parts = (parts or Parts()).resolved()
+        parts = resolve_parts(parts or Parts())
         self.model = model.eval()
         self.tokenizer = tokenizer
         mcfg = model.config
@@ -249,24 +203,19 @@ class LLMEngine:
             )
         self.prefix_cache = None
         if config.enable_prefix_caching:
-            from .prefix_cache import PREFIX_CACHE_MEMBERS
-
             # the cache is the pool the scheduler and block tables see (its free count includes cached
             # blocks nobody holds); the allocator it wraps stays at self.prefix_cache.pool
+            check_part(parts.prefix_cache_cls, PrefixCacheProtocol, "prefix cache")
             self.prefix_cache = parts.prefix_cache_cls(self.allocator)
-            missing = [m for m in PREFIX_CACHE_MEMBERS if not hasattr(self.prefix_cache, m)]
-            if missing:
-                raise TypeError(f"your prefix cache {type(self.prefix_cache).__name__} has no "
-                                f"{', '.join(f'`{m}`' for m in missing)}: see minipaged.prefix_cache.PrefixCacheProtocol")
+            check_part(self.prefix_cache, PrefixCacheProtocol, "prefix cache")
             self.allocator = self.prefix_cache
         check_part(parts.block_table_cls(self.allocator), BlockTableProtocol, "block table")
         self.scheduler = parts.scheduler_cls(self.allocator, parts.block_table_cls, config)
         check_part(self.scheduler, SchedulerProtocol, "scheduler")
         self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
-        self.backend = get_backend(parts.attention, self.device)
-        self.model.bind_attention(self.backend)
-        self.gguf_blocks = _use_gguf_blocks(self.model, config)
-        self.packed_gemm = _pack_weights(self.model, config, self.gguf_blocks)
+        # the one decision about speed: which implementation runs each stage (engine.plan), made
+        # here, once, from the config; the executor owns every copy a fast path needs
+        self.executor = make_executor(config, self.model, self.device, parts.attention, self.kv_cache)
         self.runner = ModelRunner(self.device)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}  # unfinished requests (finished ones are pruned)
@@ -279,11 +228,34 @@ class LLMEngine:
         self._last_finish = 0.0
         self.t0 = time.perf_counter()
         self.num_steps = 0
+        self.last_route: str | None = None  # what the last step ran (see Executor.last_route)
+        self.route_counts: collections.Counter = collections.Counter()  # steps per route
         self.trace = None
         if config.record_trace:
             from .trace import Trace
 
             self.trace = Trace()
+
+    # -- speed: the plan ---------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """Which implementation runs each stage, and why each refused fast path was refused
+        (``print(engine.plan)`` shows a table). Made once, when the engine was built."""
+        return self.executor.plan
+
+    @property
+    def backend(self):
+        """The attention backend every layer of every step calls (its name is what runs)."""
+        return self.executor.backend
+
+    def rebuild_executor(self) -> Plan:
+        """After changing the model's weights or modules: plan again and drop every copy the old
+        plan made (GGUF blocks that no longer match are refused, packs remade). The KV cache and
+        the requests stay; cached prefixes computed with the old weights are not reused wrongly
+        only if you also reset the prefix cache."""
+        with self._guard:
+            self.executor = make_executor(self.config, self.model, self.device, self.parts.attention, self.kv_cache)
+            return self.executor.plan
 
     # -- sizes -----------------------------------------------------------------------------
     @property
@@ -400,24 +372,17 @@ class LLMEngine:
                 )
             source = self.tokenizer if self.tokenizer is not None else self.model.config
             eos = tuple(getattr(source, "eos_token_ids", ()) or ())
-            seq = Sequence(
-                request_id, token_ids, max_tokens=params.max_tokens, eos_token_ids=eos,
-                stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos, sampling_params=params,
-            )
-            seq.stop_checker = StopChecker(
-                params.max_tokens, len(token_ids), eos, params.stop_token_ids, params.stop, params.ignore_eos,
-                self.config.max_model_len, self.tokenizer,
-            )
-            seq.arrival_time = time.perf_counter() - self.t0
+            arrival = time.perf_counter() - self.t0
+            samples = []  # sample 0 is the request's sequence; n > 1: samples 1..n-1 are forked from it
+            for i in range(params.n):
+                q = Sequence.for_request(request_id if i == 0 else f"{request_id}#{i}", token_ids, params, eos)
+                q.stop_checker = StopChecker.for_sequence(q, params.stop, self.config.max_model_len, self.tokenizer)
+                q.arrival_time = arrival
+                samples.append(q)
             # parallel sampling: samples 1..n-1 wait in seq.forks until the prompt is computed once
-            for i in range(1, params.n):
-                f = Sequence(f"{request_id}#{i}", token_ids, max_tokens=params.max_tokens, eos_token_ids=eos,
-                             stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos, sampling_params=params)
-                f.stop_checker = StopChecker(params.max_tokens, len(token_ids), eos, params.stop_token_ids, params.stop,
-                                             params.ignore_eos, self.config.max_model_len, self.tokenizer)
-                f.arrival_time = seq.arrival_time
-                seq.forks.append(f)
-            req = _Request(seq, params, prompt)
+            seq = samples[0]
+            seq.forks = samples[1:]
+            req = _Request(seq, prompt)
             if self._first_arrival is None:
                 self._first_arrival = seq.arrival_time
             self._totals["requests"] += 1
@@ -519,7 +484,7 @@ class LLMEngine:
 
                     copy_blocks(self.kv_cache, out.blocks_to_copy)  # copy-on-write, before this step writes K/V
                 inputs = self.runner.prepare(out)
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+                hidden = self.executor.forward(inputs.input_ids, inputs.positions, inputs.meta)
                 sampled: dict = {}
                 if inputs.samplers:
                     h = hidden[inputs.sample_rows]
@@ -527,17 +492,22 @@ class LLMEngine:
                     who = [(i, q) for i, s in enumerate(inputs.samplers) for q in [s.seq] + list(s.seq.forks)]
                     seqs = [q for _, q in who]
                     tokens = None
+                    next_route = "sampler"
                     if (len(who) == len(inputs.samplers) and type(self.sampler) is Sampler
                             and all(q.sampling_params.greedy for q in seqs)):
-                        # every row greedy: the model's argmax straight from the head, where it has one
-                        greedy = getattr(self.model, "greedy_tokens", None)
-                        tokens = greedy(h) if greedy is not None else None
+                        # every row greedy: the argmax straight from the head, where the plan allows
+                        tokens = self.executor.greedy_tokens(h)
+                        next_route = "head_argmax" if tokens is not None else next_route
                     if tokens is None:
-                        logits = self.model.compute_logits(h)
+                        logits = self.executor.compute_logits(h)
                         if len(who) > len(inputs.samplers):
                             logits = logits[torch.tensor([i for i, _ in who], device=logits.device)]
                         tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.sampling_params for s in seqs])
                     sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
+                    self.last_route = f"{self.executor.last_route}+{next_route}"
+                else:
+                    self.last_route = f"{self.executor.last_route}+none"
+                self.route_counts[self.last_route] += 1
                 now = time.perf_counter() - self.t0
                 self.scheduler.update(out, sampled)
             except Exception as e:
@@ -553,7 +523,7 @@ class LLMEngine:
                 changed.append(seq)
             self.num_steps += 1
             if self.trace is not None:
-                self.trace.record(self.scheduler, out, now)
+                self.trace.record(self.scheduler, out, now, route=self.last_route)
             seen: set[str] = set()
             for seq in changed:
                 req = self._request(seq)
@@ -651,6 +621,8 @@ class LLMEngine:
             "num_blocks": self.allocator.num_blocks,
             "block_size": self.block_size,
             "kv_cache_mib": self.kv_cache.nbytes / 2**20,
+            "plan": self.plan.as_dict(),
+            "routes": dict(self.route_counts),  # steps per route ("whole_step+head_argmax", "layers+sampler", ...)
             "preemptions": t["preemptions"] + sum(q.num_preemptions for r in self.requests.values() for q in r.samples),
         }
         if self.prefix_cache is not None:

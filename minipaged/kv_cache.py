@@ -52,13 +52,7 @@ def write_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,  # (num_tokens,) int: block_id * block_size + offset
 ) -> None:
-    """Store each new token's K and V at its slot (the reference; Triton has its own).
-
-    fp32 on a CPU: one C call for both (attention/cpu_kernels.py), the same result."""
-    from .attention import cpu_kernels  # here, not at the top: the attention package imports this module
-
-    if cpu_kernels.write_kv_applies(k_cache, v_cache, k, v):
-        return cpu_kernels.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    """Store each new token's K and V at its slot (the reference; Triton has its own)."""
     num_blocks, block_size, h, d = k_cache.shape
     # A flat view turns the slot straight into a row index; no per-block arithmetic needed.
     k_cache.view(num_blocks * block_size, h, d).index_copy_(0, slot_mapping.long(), k.to(k_cache.dtype))

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 from . import parts
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .scheduler import SchedulerOutput
-    from .sequence import Sequence
+    from .data import SchedulerOutput, Sequence
 
 
 @dataclass(slots=True)
@@ -50,6 +49,9 @@ class StepRecord:
     queried_tokens: int | None = None
     cached_blocks: int | None = None
     evictions: int | None = None
+    # what the step ran (the engine's executor): "whole_step", "layers" or "model", then "+" the
+    # next token's route, "head_argmax" or "sampler" (None: a simulated step, no model ran)
+    route: str | None = None
 
     @property
     def hit_rate(self) -> float | None:
@@ -102,7 +104,7 @@ class Trace:
         self._closed: list[dict] = []
 
     # -- recording -------------------------------------------------------------------------
-    def record(self, scheduler: Any, output: "SchedulerOutput", time: float) -> StepRecord:
+    def record(self, scheduler: Any, output: "SchedulerOutput", time: float, route: str | None = None) -> StepRecord:
         alloc = scheduler.allocator
         if self.num_blocks is None:
             self.num_blocks, self.block_size = alloc.num_blocks, alloc.block_size
@@ -159,6 +161,7 @@ class Trace:
             prefill_tokens=prefill, decode_tokens=decode, sampled_tokens=sampled,
             preemptions=scheduler.num_preemptions, reserved_slots=reserved, used_slots=used, slots=slots,
             blocks_used=parts.num_used_blocks(alloc), blocks_free=alloc.num_free_blocks, owners=owners, tables=tables,
+            route=route,
         )
         stats = getattr(scheduler, "prefix_stats", None)
         if stats is not None and getattr(scheduler, "prefix_caching", False):
@@ -278,15 +281,3 @@ def is_prefill(s: Any) -> bool:
     """Whether a scheduled record computes prompt (or recomputed) tokens rather than one decode
     token: the scheduler's ``ScheduledSeq.is_prefill``, read, never recomputed."""
     return bool(s.is_prefill)
-
-
-_MOVED = {"sample_requests", "simulate", "simulate_static", "StepTime"}
-
-
-def __getattr__(name: str) -> Any:
-    # The simulators moved to minipaged.bench.simulate; older notebooks still import them from here.
-    if name in _MOVED:
-        from .bench import simulate as _sim
-
-        return getattr(_sim, name)
-    raise AttributeError(f"module 'minipaged.trace' has no attribute {name!r}")

@@ -3,18 +3,12 @@
 Owns speed on a CPU (and on a GPU without Triton). It never writes the cache and never decides
 who runs; reference.py remains the oracle it is tested against (tests/test_attention_fast.py).
 
-- Decode on a CPU in fp32: a C kernel (cpu_kernels.py) reads every sequence's pages in place,
-  all decode sequences in one call; it is built on first use and the path below replaces it
-  when there is no compiler (or ``MINIPAGED_CPU_KERNELS=0``).
-- Decode otherwise: ONE call per layer covers every decode sequence. Their blocks are gathered with one
+- Decode: ONE call per layer covers every decode sequence. Their blocks are gathered with one
   ``index_select`` through the block table into a padded (S, H_kv, C, D) view, and one
   ``scaled_dot_product_attention`` with a length mask attends all S queries at once. Only when
   contexts are so unequal that padding would more than double the work (``DECODE_PAD_LIMIT``)
   are they cut into at most ``DECODE_MAX_GROUPS`` calls of similar lengths.
-- Prefill and chunked prefill on a CPU in fp32, every context at most
-  ``PREFILL_AS_DECODES_MAX_CONTEXT`` long: every new token is a decode query over its causal
-  prefix, all of them in one call of the C kernel.
-- Prefill and chunked prefill otherwise: batched the same way (queries padded to the longest new chunk,
+- Prefill and chunked prefill: batched the same way (queries padded to the longest new chunk,
   keys to the longest context, a causal-with-offset mask) when padding wastes at most
   ``PREFILL_PAD_LIMIT`` times the real work; otherwise one SDPA call per sequence.
 
@@ -26,18 +20,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-
 # Batch the prefills into one padded call while padded work <= this x the real work
 # (sum of q_len * context_len). Above it, one call per sequence wastes less.
 PREFILL_PAD_LIMIT = 2.0
 # Decodes: one call while padding every context to the longest costs <= this x the real work;
 # past it (very unequal contexts) at most DECODE_MAX_GROUPS calls, longest contexts together.
 DECODE_PAD_LIMIT = 2.0
-# Prefill on a CPU in fp32 with every context at most this long: every new token goes through
-# the decode kernel as a query over its causal prefix (reads a short context's pages from cache,
-# each once per query); longer contexts use SDPA, which reuses each K/V tile across queries.
-PREFILL_AS_DECODES_MAX_CONTEXT = 256
 DECODE_MAX_GROUPS = 4
 
 
@@ -71,13 +59,7 @@ def decode_attention(
     scale: float,
     max_context_len: int | None = None,
 ) -> torch.Tensor:
-    """All decode sequences in one call -> (S, H, D).
-
-    On a CPU in fp32 the C kernel (cpu_kernels.py) reads the pages in place; elsewhere, or when
-    it cannot be built, one SDPA call over a padded gather."""
-    if cpu_kernels.applies(q, k_cache, v_cache):
-        return cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                        max_context_len=max_context_len)
+    """All decode sequences in one SDPA call over a padded gather -> (S, H, D)."""
     S, H, D = q.shape
     block_size = k_cache.shape[1]
     c_max = int(context_lens.max()) if max_context_len is None else max_context_len
@@ -153,20 +135,8 @@ def decode_groups(context_lens: list[int], pad_limit: float | None = None, max_g
     return groups
 
 
-# The last step's plan: every layer of a step gets the same metadata tensors, so the Python
-# lists below are made once per step, not once per layer. Reused only for the same tensors
-# with the same contents (a tensor changed in place is planned afresh).
-_last_plan: tuple | None = None
-
-
 def _plan(query_start_loc: torch.Tensor, context_lens: torch.Tensor, num_decodes: int | None):
     """(qsl, ctx, q_lens, num_decodes, decodes, rest) for one step's metadata, validated."""
-    global _last_plan
-    cached = _last_plan
-    if (cached is not None and cached[0] is query_start_loc and cached[1] is context_lens and cached[2] == num_decodes
-            and torch.equal(cached[3], query_start_loc) and torch.equal(cached[4], context_lens)):
-        return cached[5]
-    given = num_decodes
     num_seqs = context_lens.shape[0]
     qsl = query_start_loc.tolist()
     ctx = context_lens.tolist()
@@ -190,28 +160,7 @@ def _plan(query_start_loc: torch.Tensor, context_lens: torch.Tensor, num_decodes
         else:
             decodes = ones
             rest = [s for s, n in enumerate(q_lens) if n != 1]
-    plan = (qsl, ctx, q_lens, num_decodes, decodes, rest)
-    _last_plan = (query_start_loc, context_lens, given, query_start_loc.clone(), context_lens.clone(), plan)
-    return plan
-
-
-_last_prefill: tuple | None = None
-
-
-def _prefill_queries(block_tables: torch.Tensor, rest: list[int], q_lens: list[int], ctx: list[int]):
-    """Each prefill token's block-table row and causal context length (made once per step: the
-    layers of a step share the metadata)."""
-    global _last_prefill
-    key = (tuple(rest), tuple(q_lens[s] for s in rest), tuple(ctx[s] for s in rest))
-    cached = _last_prefill
-    if (cached is not None and cached[0] is block_tables and cached[1] == key
-            and torch.equal(cached[2], block_tables)):  # the same tensor, unchanged in place
-        return cached[3]
-    rows = torch.tensor([s for s in rest for _ in range(q_lens[s])], dtype=torch.long, device=block_tables.device)
-    lens = torch.tensor([ctx[s] - q_lens[s] + i + 1 for s in rest for i in range(q_lens[s])], dtype=torch.int32)
-    result = (block_tables.index_select(0, rows), lens)
-    _last_prefill = (block_tables, key, block_tables.clone(), result)
-    return result
+    return qsl, ctx, q_lens, num_decodes, decodes, rest
 
 
 def paged_attention(
@@ -239,16 +188,11 @@ def paged_attention(
     qsl, ctx, q_lens, num_decodes, decodes, rest = _plan(query_start_loc, context_lens, num_decodes)
     if num_decodes:
         dec = list(range(num_decodes)) if decodes is None else decodes
-        in_place = cpu_kernels.applies(q, k_cache, v_cache)  # no padding, so never a reason to split
-        groups = [list(range(len(dec)))] if in_place else decode_groups([ctx[s] for s in dec])
+        groups = decode_groups([ctx[s] for s in dec])
         if len(groups) == 1 and decodes is None:  # the common case: one call, no row shuffling
-            if in_place:  # straight into out (the kernel copes with out's dtype and layout)
-                cpu_kernels.paged_decode(q[:num_decodes], k_cache, v_cache, block_tables[:num_decodes],
-                                         context_lens[:num_decodes], scale, out=out[:num_decodes])
-            else:
-                o = decode_attention(q[:num_decodes], k_cache, v_cache, block_tables[:num_decodes],
-                                     context_lens[:num_decodes], scale, max(ctx[:num_decodes]))
-                out[:num_decodes] = o.to(out.dtype)
+            o = decode_attention(q[:num_decodes], k_cache, v_cache, block_tables[:num_decodes],
+                                 context_lens[:num_decodes], scale, max(ctx[:num_decodes]))
+            out[:num_decodes] = o.to(out.dtype)
         else:
             for group in groups:
                 seqs = [dec[i] for i in group]
@@ -262,15 +206,6 @@ def paged_attention(
         return out
     q_max = max(q_lens[s] for s in rest)
     c_max = max(ctx[s] for s in rest)
-    if c_max <= PREFILL_AS_DECODES_MAX_CONTEXT and cpu_kernels.applies(q, k_cache, v_cache) \
-            and rest == list(range(rest[0], rest[-1] + 1)) and out.is_contiguous():
-        # Short contexts on a CPU: each new token is one decode query over its causal prefix
-        # (context_len - q_len + i + 1 positions for the chunk's i-th token), through the decode
-        # kernel, straight from the pages: no gathered copy, no padding, no masked-out half.
-        lo, hi = qsl[rest[0]], qsl[rest[-1] + 1]
-        tables, lens = _prefill_queries(block_tables, rest, q_lens, ctx)
-        cpu_kernels.paged_decode(q[lo:hi], k_cache, v_cache, tables, lens, scale, out=out[lo:hi])
-        return out
     real = sum(q_lens[s] * ctx[s] for s in rest)
     if len(rest) > 1 and len(rest) * q_max * c_max <= PREFILL_PAD_LIMIT * real:
         idx = torch.tensor(rest, dtype=torch.long, device=q.device)

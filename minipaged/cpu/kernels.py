@@ -1,177 +1,44 @@
-"""Small C kernels for the CPU, built on first use with the system's C compiler.
+"""Python faces of the C kernels (csrc/): shapes checked, pointers passed, errors named.
 
-Owns building, caching and calling ``cpu_kernels.c``: paged decode attention (torch_sdpa.py
-decides when to use it), and a Llama layer's fused elementwise ops (RMSNorm with the residual
-add, SiLU(gate) * up, RoPE in place), which model/llama.py uses on fp32 CPU tensors.
-Why C: on a CPU, PyTorch can only attend pages by first gathering them into a padded copy
-(``index_select``), then running SDPA over the copy. That moves every cached K/V byte twice and
-computes the padding. The kernel reads each cached row once, where it lies, through the block table.
+Each function assumes the library is built (the executor's plan only routes a stage here when
+``build.library()`` loaded); none decides whether it should be used. They hold no state.
 
-- Built with ``cc -O3 -march=native -fno-trapping-math -fopenmp`` (no PyTorch headers, so it compiles in about a
-  second), loaded with ``ctypes``. The call releases the GIL.
-- Cached by a hash of the source, the flags and this CPU's feature flags, under
-  ``$MINIPAGED_CACHE_DIR``, else ``$XDG_CACHE_HOME/minipaged``, else ``~/.cache/minipaged``
-  (a temporary folder when none of those is writable).
-- No compiler, a failed build, or ``MINIPAGED_CPU_KERNELS=0`` in the environment (read at the
-  first use): ``available()`` is False, ``why_not()`` says why, and the PyTorch path runs
-  instead. Results agree to fp32 rounding.
+- ``paged_decode``: one query per sequence over its paged context, read in place (the CPU
+  sibling of lesson 05's Triton kernel; csrc/paged_attention.c).
+- ``write_kv``: the K/V write through a slot mapping.
+- ``rmsnorm``, ``silu_mul``, ``rope_``: a Llama layer's element-wise ops in one pass each.
+- ``qmatmul``, ``qmatmul_argmax``: y = x @ W^T from a GGUF file's blocks (gguf_blocks.py).
+- ``decode_layers``: a decode step's layers in one call (csrc/decode_step.c).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_ENV_SWITCH = "MINIPAGED_CPU_KERNELS"
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_reason: str | None = None  # why the kernel is not available (None: not tried yet, or available)
-_tried = False
+from .build import library
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        from .build import info
+
+        raise RuntimeError(f"the CPU kernels are not available: {info()['why_not']}")
+    return lib
 
 
-def _cache_dir() -> Path:
-    for candidate in (os.environ.get("MINIPAGED_CACHE_DIR"),
-                      os.environ.get("XDG_CACHE_HOME") and os.path.join(os.environ["XDG_CACHE_HOME"], "minipaged"),
-                      os.path.expanduser("~/.cache/minipaged")):
-        if not candidate:
-            continue
-        path = Path(candidate)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            if os.access(path, os.W_OK):
-                return path
-        except OSError:
-            continue
-    path = Path(tempfile.gettempdir()) / f"minipaged-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def qmatmul_fast() -> bool:
+    """True when the GGUF matmul is the vectorized one (built for a CPU with AVX-512). Elsewhere
+    only a portable loop is built: correct, far too slow to serve with."""
+    lib = library()
+    return lib is not None and bool(lib.minipaged_qmatmul_fast())
 
 
-# -fno-trapping-math (no floating-point exception flags are read) lets floorf inline, so the
-# exp and softmax loops vectorize.
-_FLAG_SETS = (
-    ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"],
-    ["-O3", "-fno-trapping-math", "-fopenmp"],
-    ["-O3", "-march=native", "-fno-trapping-math"],  # no OpenMP (e.g. Apple clang): one core
-    ["-O3"],
-)
-
-
-def _build() -> ctypes.CDLL:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (install gcc, or set CC)")
-    source = SOURCE.read_bytes()
-    errors = []
-    for flags in _FLAG_SETS:
-        key = hashlib.sha256(source + " ".join([compiler] + flags).encode() + _cpu_flags().encode()
-                             + torch.__version__.encode()).hexdigest()[:16]
-        target = _cache_dir() / f"cpu_kernels-{key}.so"
-        if not target.exists():
-            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-            cmd = [compiler, *flags, "-fPIC", "-shared", str(SOURCE), "-o", str(tmp), "-lm"]
-            try:
-                run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                errors.append(f"{' '.join(flags)}: {e}")
-                continue
-            if run.returncode != 0:
-                errors.append(f"{' '.join(flags)}: {run.stderr.strip().splitlines()[-1:] or run.returncode}")
-                tmp.unlink(missing_ok=True)
-                continue
-            os.replace(tmp, target)  # atomic: a concurrent process sees the whole file or none
-        try:
-            lib = ctypes.CDLL(str(target))
-            if lib.minipaged_decode_abi() != 7:
-                raise OSError("wrong ABI version")
-        except OSError as e:
-            # a cached build this machine cannot load (a home folder shared with another machine):
-            # drop it, so that the next process builds afresh
-            errors.append(f"{' '.join(flags)}: could not load {target.name}: {e}")
-            target.unlink(missing_ok=True)
-            continue
-        fn = lib.minipaged_paged_decode_f32
-        i64, p = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
-        fn.restype = ctypes.c_int
-        f32 = ctypes.c_float
-        lib.minipaged_rmsnorm_f32.argtypes = [p, p, p, p, i64, i64, f32]
-        lib.minipaged_rmsnorm_f32.restype = None
-        lib.minipaged_silu_mul_f32.argtypes = [p, p, p, i64, i64]
-        lib.minipaged_silu_mul_f32.restype = None
-        lib.minipaged_rope_f32.argtypes = [p, i64, i64, i64, i64, p, p]
-        lib.minipaged_rope_f32.restype = None
-        lib.minipaged_write_kv_f32.argtypes = [p, p, p, p, i64, i64, p, i64, i64, i64]
-        lib.minipaged_write_kv_f32.restype = ctypes.c_int
-        lib.minipaged_qmatmul_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64]
-        lib.minipaged_qmatmul_f32.restype = ctypes.c_int
-        lib.minipaged_qmatvec_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64]
-        lib.minipaged_qmatvec_f32.restype = ctypes.c_int
-        lib.minipaged_qmatmul_fast.argtypes = []
-        lib.minipaged_qmatmul_fast.restype = ctypes.c_int
-        lib.minipaged_exp_f32.argtypes = [p, p, i64]
-        lib.minipaged_exp_f32.restype = None
-        lib.minipaged_qmatmul_argmax_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, p]
-        lib.minipaged_qmatmul_argmax_f32.restype = ctypes.c_int
-        lib.minipaged_decode_layers_f32.argtypes = [p, i64, p]
-        lib.minipaged_decode_layers_f32.restype = ctypes.c_int
-        return lib
-    raise RuntimeError("the C compiler failed: " + "; ".join(errors))
-
-
-def available() -> bool:
-    """True when the kernel is built and loaded (builds it on the first call). Called on every
-    layer's every op, so after the first call it is one check: ``MINIPAGED_CPU_KERNELS`` is
-    read at that first call (set it before the process starts, or before first use)."""
-    if _tried:
-        return _lib is not None
-    return _first_use()
-
-
-def _first_use() -> bool:
-    global _lib, _reason, _tried
-    with _lock:
-        if not _tried:
-            if os.environ.get(_ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
-                _lib, _reason = None, f"{_ENV_SWITCH}=0 is set"
-            else:
-                try:
-                    _lib, _reason = _build(), None
-                except Exception as e:  # any failure means: use the PyTorch path
-                    _lib, _reason = None, str(e)
-            _tried = True
-    return _lib is not None
-
-
-def why_not() -> str | None:
-    """Why the kernel is not in use, or None when it is."""
-    return None if available() else _reason
-
-
-def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The kernel handles fp32 CPU tensors laid out as the cache makes them."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and available())
+def openmp() -> bool:
+    """True when the kernels split their work over the cores."""
+    lib = library()
+    return lib is not None and bool(lib.minipaged_openmp())
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -181,8 +48,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     ``max_context_len`` is accepted for decode_attention's signature and not trusted: the kernel
     checks every sequence's length against its table row and every block id against the cache."""
-    if not available():
-        raise RuntimeError(f"the CPU decode kernel is not available: {why_not()}")
     S, H, D = q.shape
     num_blocks, block_size, h_kv, d = k_cache.shape
     if d != D or H % h_kv:
@@ -195,7 +60,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if tables.shape[0] < S or lens.shape[0] < S:
         raise ValueError(f"{S} queries but {tables.shape[0]} block-table rows and {lens.shape[0]} context lengths")
     result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.empty_like(q)
-    rc = _lib.minipaged_paged_decode_f32(
+    rc = _lib().minipaged_paged_decode_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), result.data_ptr(), S, H, h_kv, D, block_size, num_blocks, tables.shape[1], float(scale))
     if rc != 0:  # the kernel checks every id and length itself: nothing is read out of bounds
@@ -210,12 +75,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return result
 
 
-def fused_ops_apply(x: torch.Tensor) -> bool:
-    """The fused elementwise ops handle contiguous fp32 CPU tensors without autograd."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
-            and not (x.requires_grad and torch.is_grad_enabled()) and available())
-
-
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """(N, C) -> weight * x / rms(x). With ``residual``: residual += x in place first, and the
     norm is of the updated residual (returned: the normed tensor; the residual holds the sum)."""
@@ -225,7 +84,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous() or residual.dtype != torch.float32):
         raise ValueError("the residual must be a contiguous fp32 tensor shaped like x")
     out = torch.empty_like(x)
-    _lib.minipaged_rmsnorm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+    _lib().minipaged_rmsnorm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                                out.data_ptr(), N, C, float(eps))
     return out
 
@@ -235,17 +94,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or not (gate.is_contiguous() and up.is_contiguous()):
         raise ValueError("gate and up must be contiguous and the same shape")
     N, I = gate.shape
-    _lib.minipaged_silu_mul_f32(gate.data_ptr(), up.data_ptr(), gate.data_ptr(), N, I)
+    _lib().minipaged_silu_mul_f32(gate.data_ptr(), up.data_ptr(), gate.data_ptr(), N, I)
     return gate
-
-
-def write_kv_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """fp32 CPU caches, contiguous, and k, v whose heads lie contiguous within each token's row."""
-    def rows_ok(x: torch.Tensor) -> bool:
-        return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-
-    return (k_cache.device.type == "cpu" and k_cache.dtype == v_cache.dtype == k.dtype == v.dtype == torch.float32
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and rows_ok(k) and rows_ok(v) and available())
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -257,40 +107,16 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         raise ValueError(f"k, v must be ({n}, {h}, {d}) with one slot each; got {tuple(k.shape)}, {tuple(v.shape)}, "
                          f"{tuple(slot_mapping.shape)} slots")
     slots = slot_mapping.to(torch.int64).contiguous()
-    rc = _lib.minipaged_write_kv_f32(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+    rc = _lib().minipaged_write_kv_f32(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
                                      v.stride(0), slots.data_ptr(), n, h * d, num_blocks * block_size)
     if rc != 0:
         raise IndexError(f"a slot is outside the cache (0..{num_blocks * block_size - 1}): nothing was written")
 
 
-_qfast: bool | None = None
-
-
-def qmatmul_fast() -> bool:
-    """True when the GGUF matmul is the vectorized one (built for a CPU with AVX-512). Elsewhere
-    the kernels keep only a portable loop, correct but far too slow to serve with, and the
-    model multiplies with its fp32 copy instead. (Asked on every small matmul: one check.)"""
-    global _qfast
-    if _qfast is None:
-        _qfast = available() and bool(_lib.minipaged_qmatmul_fast())
-    return _qfast
-
-
-def qmatmul_why_not() -> str | None:
-    """Why the GGUF matmul does not serve here, or None when it does."""
-    if not available():
-        return f"the CPU kernels are not available: {why_not()}"
-    if not qmatmul_fast():
-        return "this CPU (or compiler) has no AVX-512, which the fast GGUF matmul is written for"
-    return None
-
-
 def qmatmul(x: torch.Tensor, blocks) -> torch.Tensor:
     """x (M, K) fp32 @ W^T -> (M, N), W given as its GGUF integers and scales (a
-    model.gguf_blocks.GGUFBlocks): each fp32 weight is rebuilt exactly as gguf.quants makes it,
+    cpu.gguf_blocks.GGUFBlocks): each fp32 weight is rebuilt exactly as gguf.quants makes it,
     then multiplied in fp32. It reads a fifth of the fp32 weights' bytes."""
-    if not available():
-        raise RuntimeError(f"the CPU kernels are not available: {why_not()}")
     N, K = blocks.out_features, blocks.in_features
     if x.dim() != 2 or x.shape[1] != K or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be fp32 (M, {K}) on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
@@ -301,10 +127,10 @@ def qmatmul(x: torch.Tensor, blocks) -> torch.Tensor:
         return y
     if x.shape[0] <= 8:  # the row layout streams better (see model/gguf_blocks.py)
         qt, dt, mt, kind = blocks.row_pointers  # checked and fixed when the blocks were made
-        rc = _lib.minipaged_qmatvec_f32(x.data_ptr(), x.stride(0), qt, dt, mt, kind, y.data_ptr(), x.shape[0], N, K)
+        rc = _lib().minipaged_qmatvec_f32(x.data_ptr(), x.stride(0), qt, dt, mt, kind, y.data_ptr(), x.shape[0], N, K)
     else:
         qt, dt, mt, kind = blocks.pointers
-        rc = _lib.minipaged_qmatmul_f32(x.data_ptr(), x.stride(0), qt, dt, mt, kind, y.data_ptr(), x.shape[0], N, K)
+        rc = _lib().minipaged_qmatmul_f32(x.data_ptr(), x.stride(0), qt, dt, mt, kind, y.data_ptr(), x.shape[0], N, K)
     if rc == -2:
         raise MemoryError("the GGUF matmul could not allocate its weight panel")
     if rc != 0:
@@ -342,10 +168,9 @@ def _qlinear(blocks, bias: torch.Tensor | None) -> _QLinear:
 class DecodeLayers:
     """What ``decode_layers`` needs of a stack of Llama layers, worked out once: per layer the two
     RMSNorm weights, the seven linear layers' GGUF blocks (q, k, v, o, gate, up, down; a
-    model.gguf_blocks.GGUFBlocks each) with their biases, and the layer's K/V pages. It keeps
-    their addresses only (holding them would keep a finished engine's cache alive): the caller
-    checks, before each use, that every address and shape is still the one given here
-    (model/llama.py does, every step)."""
+    cpu.gguf_blocks.GGUFBlocks each) with their biases, and the layer's K/V pages. It holds
+    them (the C side reads their addresses), so it lives exactly as long as the executor that
+    made it."""
 
     def __init__(self, layers: list[dict], eps: float, dims: dict) -> None:
         self.dims = dict(dims)  # C, H, H_kv, D, I
@@ -356,6 +181,7 @@ class DecodeLayers:
                             *(_qlinear(*ly[n]) for n in ("q", "k", "v", "o", "gate", "up", "down")),
                             ly["k_cache"].data_ptr(), ly["v_cache"].data_ptr())
         self.layers = arr
+        self.holds = layers  # keeps every tensor whose address the C side reads alive
         self.num_layers = len(layers)
         k_cache = layers[0]["k_cache"] if layers else None
         self.cache_shape = tuple(k_cache.shape) if k_cache is not None else None
@@ -367,8 +193,6 @@ def decode_layers(plan: DecodeLayers, x: torch.Tensor, cos: torch.Tensor, sin: t
     layers' own forward (the same kernels on the same rows), so the same bits. ``x`` (M, C), the
     residual stream, is updated in place and returned. Refused with nothing written: a sequence
     with other than one new token, a slot, block id or context length the cache cannot hold."""
-    if not available():
-        raise RuntimeError(f"the CPU kernels are not available: {why_not()}")
     d = plan.dims
     M, C = x.shape
     num_blocks, block_size, h_kv, head_dim = plan.cache_shape
@@ -393,7 +217,7 @@ def decode_layers(plan: DecodeLayers, x: torch.Tensor, cos: torch.Tensor, sin: t
     step = _Step(M, C, H, h_kv, head_dim, I, block_size, num_blocks, tables.stride(0), tables.shape[1],
                  plan.eps, float(scale), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                  tables.data_ptr(), lens.data_ptr(), qsl.data_ptr(), *parts.values())
-    rc = _lib.minipaged_decode_layers_f32(plan.layers, plan.num_layers, ctypes.byref(step))
+    rc = _lib().minipaged_decode_layers_f32(plan.layers, plan.num_layers, ctypes.byref(step))
     if rc == 0:
         return x
     if rc == -3:
@@ -423,7 +247,7 @@ def qmatmul_argmax(x: torch.Tensor, blocks) -> list[int] | None:
         x = x.contiguous()
     qt, dt, mt, kind = blocks.pointers
     at = torch.empty(x.shape[0], dtype=torch.int64)
-    rc = _lib.minipaged_qmatmul_argmax_f32(x.data_ptr(), x.stride(0), qt, dt, mt, kind, x.shape[0],
+    rc = _lib().minipaged_qmatmul_argmax_f32(x.data_ptr(), x.stride(0), qt, dt, mt, kind, x.shape[0],
                                           blocks.out_features, blocks.in_features, at.data_ptr())
     if rc == -2:
         raise MemoryError("the GGUF argmax could not allocate its buffers")
@@ -434,7 +258,7 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     """The kernels' own e^x (for testing its accuracy): contiguous fp32 in, same shape out."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    _lib.minipaged_exp_f32(x.data_ptr(), out.data_ptr(), x.numel())
+    _lib().minipaged_exp_f32(x.data_ptr(), out.data_ptr(), x.numel())
     return out
 
 
@@ -447,9 +271,9 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     if cos.shape != (N, D) or sin.shape != (N, D) or not (cos.is_contiguous() and sin.is_contiguous()) \
             or cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise ValueError(f"cos and sin must be contiguous fp32 ({N}, {D}) rows")
-    _lib.minipaged_rope_f32(x.data_ptr(), x.stride(0), N, heads, D, cos.data_ptr(), sin.data_ptr())
+    _lib().minipaged_rope_f32(x.data_ptr(), x.stride(0), N, heads, D, cos.data_ptr(), sin.data_ptr())
     return x
 
 
-__all__ = ["available", "why_not", "applies", "paged_decode", "fused_ops_apply", "rmsnorm", "silu_mul", "rope_", "qmatmul", "qmatmul_fast", "qmatmul_why_not",
-           "write_kv_applies", "write_kv", "DecodeLayers", "decode_layers", "qmatmul_argmax"]
+__all__ = ["paged_decode", "rmsnorm", "silu_mul", "rope_", "write_kv", "qmatmul", "qmatmul_argmax", "qmatmul_fast",
+           "openmp", "DecodeLayers", "decode_layers", "exp"]

@@ -1,6 +1,6 @@
 """A GGUF weight kept as its quantized integers and scales, beside the fp32 copy the model computes with.
 
-Owns the layout the CPU kernel ``cpu_kernels.qmatmul`` reads, and the rule that rebuilds fp32
+Owns the layout the CPU kernel ``kernels.qmatmul`` reads, and the rule that rebuilds fp32
 weights from it. Why keep them: a decode step must read every weight once, so at small
 batches its speed is bytes / memory bandwidth, and at batch 64 the fp32 weights (538 MB for
 the default model) stream from memory every step. The file's integers and scales are 98 MB.
@@ -157,3 +157,27 @@ class GGUFBlocks:
             q = torch.stack([self.qt & 15, self.qt >> 4], dim=2).reshape(self.qt.shape[0], k, 16).float()
             w = d * (q - 8) if self.kind == "Q4_0" else d * q + self.mt.repeat_interleave(QBLOCK, dim=1)
         return w.permute(0, 2, 1).reshape(-1, k)[:n].contiguous()
+
+
+def read_blocks(path, config) -> dict[str, GGUFBlocks]:
+    """The linear layers' weights of the GGUF file at ``path`` as their quantized blocks (Q4_0,
+    Q4_1, Q8_0 only), in Hugging Face names, rows in the order the loader gives the fp32 weights
+    (``config`` is the model's LlamaConfig). A tied model's head is the embedding's blocks."""
+    from ..model.errors import CorruptModelError
+    from ..model.gguf_loader import hf_name, hf_rows, open_gguf
+
+    reader = open_gguf(path)
+    blocks = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        kind = t.tensor_type.name
+        if name is None or kind not in KINDS or not name.endswith(".weight") or "norm" in name:
+            continue
+        try:  # a row of blocks is a row of weights: the same un-permuting as the loader's
+            blocks[name] = GGUFBlocks.from_file_rows(kind, hf_rows(name, np.asarray(t.data), config))
+        except ValueError as e:
+            raise CorruptModelError(f"{path}: tensor {t.name} ({kind}): {e}") from e
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in blocks:
+        blocks.setdefault("lm_head.weight", blocks["model.embed_tokens.weight"])
+    blocks.pop("model.embed_tokens.weight", None)  # the lookup reads the fp32 copy
+    return blocks

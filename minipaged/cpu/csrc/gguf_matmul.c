@@ -1,0 +1,426 @@
+/* Included by kernels.c (one translation unit). */
+/* ---- matmul on GGUF's quantized weights (decode batches) --------------------------------
+ *
+ * y (M, N) = x (M, K) @ W^T where W (N, K) is kept as the GGUF file's small integers and fp32
+ * scales (their fp16 values, widened once when the model is loaded), re-arranged for this
+ * kernel when the model is loaded (model/gguf_blocks.py): output features in groups of 16
+ * lanes, so one vector holds 16 neighbouring outputs' weights at one k. Each weight is rebuilt
+ * in fp32 exactly as gguf.quants dequantizes it (the fp32 copy the model keeps): an fp16 scale
+ * times a 4- or 8-bit integer is exact in fp32, so each weight is rounded once (by the add of m,
+ * Q4_1) or not at all. So this is the same fp32 matmul over the same weights, reading 5-6x
+ * fewer bytes (at batch 1 a token reads every weight once, and that bounds its speed).
+ *
+ * Layout, G = ceil(N / 16) groups, lane i of group g = output feature 16 g + i (lanes past N
+ * have zero scales, so zero weights):
+ *   kind 0, Q4_0: w = d * (q - 8)   qt (G, K/2, 16) bytes: byte i = q(k=2kk) | q(k=2kk+1) << 4
+ *   kind 1, Q4_1: w = d * q + m     qt as Q4_0;                   dt, mt (G, K/32, 16) fp32
+ *   kind 2, Q8_0: w = q * d         qt (G, K, 16) signed bytes;   dt (G, K/32, 16) fp32
+ * x's rows are x_stride floats apart; y is (M, N) contiguous. Returns -1 for a bad kind or a K
+ * that is not a multiple of 32, -2 when out of memory.
+ *
+ * A GEMM: each thread takes pairs of groups (32 outputs), rebuilds a QKC-long stretch of the
+ * pair's weights at a time into an fp32 panel that stays in L1, and multiplies every QM-row tile
+ * of x against it, with QM x 32 accumulators in registers. (Up to 8 rows of x the row layout's
+ * minipaged_qmatvec_f32 below serves instead: it streams better.) A prefill's long batch goes
+ * QROWS rows at a time, so that the rows every pair reads again stay near in cache; each row's
+ * sums are the same whichever chunk and tile it falls in. */
+#define QBLOCK 32
+#define QM 8       /* rows of x per tile: 8 x 2 accumulator registers */
+#define QKC 256    /* k per panel stretch: 256 x 32 floats = 32 KB, in L1 */
+#define QROWS 1024 /* rows of x per pass over the weights (a multiple of QM) */
+
+static inline float q_weight(int kind, const uint8_t *qt, const float *dt, const float *mt, int64_t K, int64_t n,
+                             int64_t k) {
+    const int64_t g = n / 16, i = n % 16, b = k / QBLOCK;
+    const float d = dt[(g * (K / QBLOCK) + b) * 16 + i];
+    if (kind == 2) return (float)((const int8_t *)qt)[(g * K + k) * 16 + i] * d;
+    const uint8_t byte = qt[(g * (K / 2) + k / 2) * 16 + i];
+    const int q = (k & 1) ? byte >> 4 : byte & 15;
+    return kind == 1 ? d * (float)q + mt[(g * (K / QBLOCK) + b) * 16 + i] : d * (float)(q - 8);
+}
+
+#if defined(__AVX512F__)
+/* 16 bytes of nibbles -> the 16 low and the 16 high ones as floats (Q4_0: minus its 8). */
+static inline __attribute__((always_inline)) void nibbles_to_floats(int kind, const uint8_t *p, __m512 *lo,
+                                                                    __m512 *hi) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(15);
+    __m512i a = _mm512_cvtepu8_epi32(_mm_and_si128(raw, low));
+    __m512i b = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+    if (kind == 0) {
+        a = _mm512_sub_epi32(a, _mm512_set1_epi32(8));
+        b = _mm512_sub_epi32(b, _mm512_set1_epi32(8));
+    }
+    *lo = _mm512_cvtepi32_ps(a);
+    *hi = _mm512_cvtepi32_ps(b);
+}
+
+/* 16 signed bytes -> 16 floats. */
+static inline __attribute__((always_inline)) __m512 bytes_to_floats(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* The integers of one group at k and k + 1 (nibble kinds, Q4_0 minus its 8) or at k alone
+ * (Q8_0: *i1 untouched), as floats: the weights without their scales. */
+static inline __attribute__((always_inline)) void q_ints(int kind, const uint8_t *qt, int64_t K, int64_t g, int64_t k,
+                                                         __m512 *i0, __m512 *i1) {
+    if (kind == 2)
+        *i0 = bytes_to_floats(qt + (g * K + k) * 16);
+    else
+        nibbles_to_floats(kind, qt + (g * (K / 2) + k / 2) * 16, i0, i1);
+}
+
+/* Weights of one group at k and k + 1 (nibble kinds) or at k alone (Q8_0: *w1 untouched):
+ * the integers times d (plus m, Q4_1), as gguf.quants rebuilds them. */
+static inline __attribute__((always_inline)) void q_lanes(int kind, const uint8_t *qt, int64_t K, int64_t g,
+                                                          int64_t k, __m512 vd, __m512 vm, __m512 *w0, __m512 *w1) {
+    __m512 i0, i1 = _mm512_setzero_ps();
+    q_ints(kind, qt, K, g, k, &i0, &i1);
+    if (kind == 1) { /* d * q is exact in fp32, so one fused rounding of d * q + m is the add's */
+        *w0 = _mm512_fmadd_ps(i0, vd, vm);
+        *w1 = _mm512_fmadd_ps(i1, vd, vm);
+        return;
+    }
+    *w0 = _mm512_mul_ps(i0, vd);
+    if (kind == 2) return;
+    *w1 = _mm512_mul_ps(i1, vd);
+}
+
+/* Ask for block b of group g (its integers and scales) ahead of its use. */
+static inline void q_prefetch_block(int kind, const uint8_t *qt, const float *dt, const float *mt, int64_t K,
+                                    int64_t G, int64_t g, int64_t b) {
+    if (g >= G) return;
+    const int64_t nb = K / QBLOCK, qb = kind == 2 ? QBLOCK * 16 : QBLOCK * 8; /* bytes of one block in a group */
+    const char *q = (const char *)qt + g * nb * qb + b * qb;
+    for (int64_t c = 0; c < qb; c += 64) _mm_prefetch(q + c, _MM_HINT_T0);
+    _mm_prefetch((const char *)(dt + (g * nb + b) * 16), _MM_HINT_T0);
+    if (mt) _mm_prefetch((const char *)(mt + (g * nb + b) * 16), _MM_HINT_T0);
+}
+
+/* acc[r] += x[r][k] * panel[k] over a stretch of K k's, for the ROWS (at most QM) rows of a
+ * tile; the panel is K x 32 (groups g and g + 1 side by side). */
+static inline __attribute__((always_inline)) void q_tile_panel(const float *panel, const float *const *xr, int ROWS,
+                                                               int64_t K, __m512 acc[][2]) {
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 wa = _mm512_load_ps(panel + k * 32), wb = _mm512_load_ps(panel + k * 32 + 16);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 xv = _mm512_set1_ps(xr[r][k]);
+            acc[r][0] = _mm512_fmadd_ps(xv, wa, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xv, wb, acc[r][1]);
+        }
+    }
+}
+
+static void q_store(float *y, int64_t N, int64_t m0, int rows, int64_t n0, __m512 acc[][2]) {
+    const int64_t left = N - n0;
+    const __mmask16 k0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    const __mmask16 k1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+    for (int r = 0; r < rows; r++) {
+        _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, k0, acc[r][0]);
+        if (k1) _mm512_mask_storeu_ps(y + (m0 + r) * N + n0 + 16, k1, acc[r][1]);
+    }
+}
+
+/* rows (1 .. QM) as a constant, so that each tile height gets its own unrolled loop */
+#define Q_DISPATCH(CALL)                                                                     \
+    switch (rows) {                                                                          \
+    case 8: CALL(8); break;                                                                  \
+    case 7: CALL(7); break;                                                                  \
+    case 6: CALL(6); break;                                                                  \
+    case 5: CALL(5); break;                                                                  \
+    case 4: CALL(4); break;                                                                  \
+    case 3: CALL(3); break;                                                                  \
+    case 2: CALL(2); break;                                                                  \
+    default: CALL(1); break;                                                                 \
+    }
+
+/* One pair of groups (outputs 32 pr .. 32 pr + 31) of y = x @ W^T. panel: 32 x QKC floats, accs:
+ * 32 x QM x ceil(M / QM) floats, both 64-byte aligned (each thread's own). */
+/* Each row's largest output so far and its first position (best[r], at[r]; at[r] < 0: none yet,
+ * -2: a NaN was met), over the 32 outputs of a finished tile, instead of storing them. */
+static void q_argmax(float *best, int64_t *at, int64_t N, int64_t m0, int rows, int64_t n0, __m512 acc[][2]) {
+    const int64_t left = N - n0;
+    const __mmask16 k0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    const __mmask16 k1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+    for (int r = 0; r < rows; r++) {
+        const int64_t m = m0 + r;
+        if (at[m] == -2) continue;
+        if (_mm512_mask_cmp_ps_mask(k0, acc[r][0], acc[r][0], _CMP_UNORD_Q) ||
+            _mm512_mask_cmp_ps_mask(k1, acc[r][1], acc[r][1], _CMP_UNORD_Q)) {
+            at[m] = -2;
+            continue;
+        }
+        float v = _mm512_mask_reduce_max_ps(k0, acc[r][0]);
+        if (k1) {
+            const float v1 = _mm512_mask_reduce_max_ps(k1, acc[r][1]);
+            v = v1 > v ? v1 : v;
+        }
+        if (at[m] >= 0 && !(v > best[m])) continue; /* ties keep the earlier position */
+        const __mmask16 e0 = _mm512_mask_cmp_ps_mask(k0, acc[r][0], _mm512_set1_ps(v), _CMP_EQ_OQ);
+        const __mmask16 e1 = _mm512_mask_cmp_ps_mask(k1, acc[r][1], _mm512_set1_ps(v), _CMP_EQ_OQ);
+        best[m] = v;
+        at[m] = e0 ? n0 + __builtin_ctz(e0) : n0 + 16 + __builtin_ctz(e1);
+    }
+}
+
+/* best/at NULL: store y; else y is not written and each row's argmax is kept in best/at instead. */
+static void qlane_pair(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
+                       int kind, float *y, int64_t M, int64_t N, int64_t K, int64_t pr, float *panel, float *accs,
+                       float *best, int64_t *at) {
+    const int64_t G = (N + 15) / 16, nb = K / QBLOCK;
+    const int64_t g = 2 * pr;
+    const int two = g + 1 < G;
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += QKC) {
+        const int64_t kc = K - k0 < QKC ? K - k0 : QKC;
+        for (int64_t h = 0; h < 2; h++) { /* rebuild this stretch of the pair's weights */
+            if (h == 1 && !two) {
+                for (int64_t k = 0; k < kc; k++) _mm512_store_ps(panel + k * 32 + 16, zero);
+                break;
+            }
+            for (int64_t b = k0 / QBLOCK; b < (k0 + kc) / QBLOCK; b++) {
+                q_prefetch_block(kind, qt, dt, mt, K, G, g + h + 2, b);
+                const __m512 d = _mm512_loadu_ps(dt + ((g + h) * nb + b) * 16);
+                const __m512 m = mt ? _mm512_loadu_ps(mt + ((g + h) * nb + b) * 16) : zero;
+                for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k += (kind == 2 ? 1 : 2)) {
+                    __m512 w0, w1;
+                    q_lanes(kind, qt, K, g + h, k, d, m, &w0, &w1);
+                    _mm512_store_ps(panel + (k - k0) * 32 + h * 16, w0);
+                    if (kind != 2) _mm512_store_ps(panel + (k + 1 - k0) * 32 + h * 16, w1);
+                }
+            }
+        }
+        for (int64_t m0 = 0, t = 0; m0 < M; m0 += QM, t++) {
+            const int rows = (int)(M - m0 < QM ? M - m0 : QM);
+            const float *xr[QM];
+            for (int r = 0; r < QM; r++) xr[r] = x + (m0 + (r < rows ? r : rows - 1)) * x_stride + k0;
+            float *keep = accs + t * QM * 32;
+            __m512 acc[QM][2];
+            for (int r = 0; r < QM; r++) {
+                acc[r][0] = k0 ? _mm512_load_ps(keep + r * 32) : zero;
+                acc[r][1] = k0 ? _mm512_load_ps(keep + r * 32 + 16) : zero;
+            }
+#define Q_PANEL(R) q_tile_panel(panel, xr, R, kc, acc)
+            Q_DISPATCH(Q_PANEL)
+#undef Q_PANEL
+            if (k0 + kc < K) {
+                for (int r = 0; r < QM; r++) {
+                    _mm512_store_ps(keep + r * 32, acc[r][0]);
+                    _mm512_store_ps(keep + r * 32 + 16, acc[r][1]);
+                }
+            } else {
+                if (at)
+                    q_argmax(best, at, N, m0, rows, g * 16, acc);
+                else
+                    q_store(y, N, m0, rows, g * 16, acc);
+            }
+        }
+    }
+}
+
+static int qmatmul_avx512(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
+                          int kind, float *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t G = (N + 15) / 16, pairs = (G + 1) / 2;
+    int bad = 0;
+#pragma omp parallel reduction(| : bad) if (pairs > 1 && M * N * K > (1 << 15))
+    {
+        /* the pair's weights, one QKC-long stretch of k at a time; each tile's accumulators wait
+         * in accs between stretches */
+        const int64_t rows_max = M < QROWS ? M : QROWS;
+        float *panel = (float *)aligned_alloc(64, sizeof(float) * 32 * QKC);
+        float *accs = (float *)aligned_alloc(64, sizeof(float) * 32 * ((rows_max + QM - 1) / QM) * QM);
+        if (!panel || !accs) bad = 1;
+        for (int64_t m0 = 0; m0 < M; m0 += QROWS) {
+            const int64_t mc = M - m0 < QROWS ? M - m0 : QROWS;
+#pragma omp for schedule(static)
+            for (int64_t pr = 0; pr < pairs; pr++)
+                if (panel && accs)
+                    qlane_pair(x + m0 * x_stride, x_stride, qt, dt, mt, kind, y + m0 * N, mc, N, K, pr, panel, accs,
+                               NULL, NULL);
+        }
+        free(panel);
+        free(accs);
+    }
+    return bad ? -2 : 0;
+}
+
+/* at[r] = argmax over n of (x @ W^T)[r, n], the first position of the largest, without writing
+ * the product (greedy sampling from the LM head: at batch 64 its logits are 12 MB a step).
+ * The same accumulators as qmatmul_avx512, so the same values. Returns -3 when a row holds a
+ * NaN (the caller computes the logits and asks PyTorch), -2 out of memory. */
+static int qmatmul_argmax_avx512(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
+                                 int kind, int64_t M, int64_t N, int64_t K, int64_t *at) {
+    const int64_t G = (N + 15) / 16, pairs = (G + 1) / 2;
+    int bad = 0;
+    for (int64_t m = 0; m < M; m++) at[m] = -1;
+    float *best = (float *)malloc(sizeof(float) * M);
+    if (!best) return -2;
+#pragma omp parallel reduction(| : bad)
+    {
+        float *panel = (float *)aligned_alloc(64, sizeof(float) * 32 * QKC);
+        float *accs = (float *)aligned_alloc(64, sizeof(float) * 32 * ((M + QM - 1) / QM) * QM);
+        float *mine = (float *)malloc(sizeof(float) * M);
+        int64_t *mine_at = (int64_t *)malloc(sizeof(int64_t) * M);
+        if (!panel || !accs || !mine || !mine_at) bad = 1;
+        if (mine_at)
+            for (int64_t m = 0; m < M; m++) mine_at[m] = -1;
+#pragma omp for schedule(static)
+        for (int64_t pr = 0; pr < pairs; pr++)
+            if (panel && accs && mine && mine_at)
+                qlane_pair(x, x_stride, qt, dt, mt, kind, NULL, M, N, K, pr, panel, accs, mine, mine_at);
+#pragma omp critical
+        if (mine && mine_at)
+            for (int64_t m = 0; m < M; m++) { /* the larger wins; on a tie, the earlier position */
+                if (mine_at[m] == -1 || at[m] == -2) continue;
+                if (mine_at[m] == -2 || at[m] == -1 || mine[m] > best[m] || (mine[m] == best[m] && mine_at[m] < at[m])) {
+                    best[m] = mine[m];
+                    at[m] = mine_at[m];
+                }
+            }
+        free(panel);
+        free(accs);
+        free(mine);
+        free(mine_at);
+    }
+    free(best);
+    if (bad) return -2;
+    for (int64_t m = 0; m < M; m++)
+        if (at[m] < 0) return -3;
+    return 0;
+}
+#endif
+
+#if defined(__AVX512F__)
+/* The row layout (the file's own: row n's blocks in turn, GGML's nibble order, fp32 scales
+ * rd/rm (N, K/32)), for at most 8 rows of x: one weight row at a time, its 32 weights per block
+ * rebuilt in two registers (as gguf.quants rebuilds them) and multiplied into each x row's two
+ * accumulators; one sum per output at the end. One weight row is a few hundred contiguous
+ * bytes, so the three streams (integers, d, m) run straight through memory, prefetched a few
+ * rows ahead: at batch 1, where every byte counts, this beats the lane layout's two groups. */
+static inline __attribute__((always_inline)) void qrow_avx512(int kind, const uint8_t *qrow, int64_t qbytes,
+                                                              const float *drow, const float *mrow, int64_t nb,
+                                                              const float *x, int64_t x_stride, float *y, int64_t N,
+                                                              int ROWS) {
+    __m512 acc[8][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *q = qrow + b * qbytes;
+        const __m512 vd = _mm512_set1_ps(drow[b]);
+        __m512 w0, w1;
+        if (kind == 2) {
+            w0 = _mm512_mul_ps(bytes_to_floats(q), vd);
+            w1 = _mm512_mul_ps(bytes_to_floats(q + 16), vd);
+        } else {
+            nibbles_to_floats(kind, q, &w0, &w1);
+            if (kind == 1) { /* d * q is exact in fp32: one fused rounding is the add's */
+                const __m512 vm = _mm512_set1_ps(mrow[b]);
+                w0 = _mm512_fmadd_ps(w0, vd, vm);
+                w1 = _mm512_fmadd_ps(w1, vd, vm);
+            } else {
+                w0 = _mm512_mul_ps(w0, vd);
+                w1 = _mm512_mul_ps(w1, vd);
+            }
+        }
+        const float *xb = x + b * QBLOCK;
+        for (int r = 0; r < ROWS; r++) {
+            acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + r * x_stride), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + r * x_stride + 16), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+#endif
+
+/* Output n of y (M, N) = x (M, K) @ W^T from the row layout, M from 1 to 8. rq: (N, K/32, 16)
+ * nibble bytes (byte j: weight j low, weight j + 16 high) or (N, K/32, 32) signed bytes for
+ * Q8_0; rd, rm: (N, K/32) fp32. */
+static inline void qrow_one(const float *x, int64_t x_stride, const uint8_t *rq, const float *rd, const float *rm,
+                            int kind, float *y, int64_t M, int64_t N, int64_t K, int64_t n) {
+    const int64_t nb = K / QBLOCK, qbytes = kind == 2 ? QBLOCK : QBLOCK / 2;
+    const uint8_t *qrow = rq + n * nb * qbytes;
+    const float *drow = rd + n * nb, *mrow = rm ? rm + n * nb : NULL;
+    if (n + 8 < N) { /* a row is a few hundred bytes: ask for one 8 rows on while this one computes */
+        const char *qa = (const char *)(rq + (n + 8) * nb * qbytes);
+        for (int64_t c = 0; c < nb * qbytes; c += 64) __builtin_prefetch(qa + c);
+        for (int64_t c = 0; c < nb * 4; c += 64) __builtin_prefetch((const char *)(rd + (n + 8) * nb) + c);
+        if (rm)
+            for (int64_t c = 0; c < nb * 4; c += 64) __builtin_prefetch((const char *)(rm + (n + 8) * nb) + c);
+    }
+#if defined(__AVX512F__)
+    switch (M) {
+    case 8: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 8); break;
+    case 7: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 7); break;
+    case 6: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 6); break;
+    case 5: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 5); break;
+    case 4: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 4); break;
+    case 3: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 3); break;
+    case 2: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 2); break;
+    default: qrow_avx512(kind, qrow, qbytes, drow, mrow, nb, x, x_stride, y + n, N, 1); break;
+    }
+#else
+    for (int64_t r = 0; r < M; r++) { /* portable: the same rule, one weight at a time */
+        const float *xr = x + r * x_stride;
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *q = qrow + b * qbytes;
+            for (int j = 0; j < QBLOCK; j++) {
+                const int v = kind == 2 ? ((const int8_t *)q)[j] : j < 16 ? q[j] & 15 : q[j - 16] >> 4;
+                const float w = kind == 1 ? drow[b] * (float)v + mrow[b]
+                              : kind == 0 ? drow[b] * (float)(v - 8) : (float)v * drow[b];
+                acc += xr[b * QBLOCK + j] * w;
+            }
+        }
+        y[r * N + n] = acc;
+    }
+#endif
+}
+
+/* y (M, N) = x (M, K) @ W^T from the row layout, M at most 8 (returns -1 otherwise, or for a bad
+ * kind or K). */
+int minipaged_qmatvec_f32(const float *x, int64_t x_stride, const uint8_t *rq, const float *rd, const float *rm,
+                          int64_t kind, float *y, int64_t M, int64_t N, int64_t K) {
+    if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !rm) || M < 1 || M > 8) return -1;
+#pragma omp parallel for schedule(static) if (N * K * M > (1 << 15))
+    for (int64_t n = 0; n < N; n++) qrow_one(x, x_stride, rq, rd, rm, (int)kind, y, M, N, K, n);
+    return 0;
+}
+
+/* 1 when the vectorized GGUF matmul is compiled in (AVX-512 here); the portable loop below is
+ * only for checking it: far too slow to serve with. */
+int minipaged_qmatmul_fast(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int minipaged_qmatmul_argmax_f32(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt,
+                                 const float *mt, int64_t kind, int64_t M, int64_t N, int64_t K, int64_t *at) {
+    if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !mt) || M < 1 || N < 1) return -1;
+#if defined(__AVX512F__)
+    return qmatmul_argmax_avx512(x, x_stride, qt, dt, mt, (int)kind, M, N, K, at);
+#else
+    (void)x, (void)x_stride, (void)qt, (void)dt, (void)at;
+    return -4; /* no fast kernel here: the caller computes the logits */
+#endif
+}
+
+int minipaged_qmatmul_f32(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
+                          int64_t kind, float *y, int64_t M, int64_t N, int64_t K) {
+    if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !mt)) return -1;
+#if defined(__AVX512F__)
+    return qmatmul_avx512(x, x_stride, qt, dt, mt, (int)kind, y, M, N, K);
+#else
+    /* portable: one output at a time, weights rebuilt by the same rule */
+#pragma omp parallel for schedule(static) if (M * N * K > (1 << 17))
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t r = 0; r < M; r++) {
+            const float *xr = x + r * x_stride;
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++) acc += xr[k] * q_weight((int)kind, qt, dt, mt, K, n, k);
+            y[r * N + n] = acc;
+        }
+    return 0;
+#endif
+}
+
