@@ -8,6 +8,7 @@
 - bench_quick_fp32: docs/figures/bench_quick_fp32.json, written by
            `minipaged bench --quick --fp32-weights --no-progress --json docs/figures/bench_quick_fp32.json`
 - speed:   docs/figures/speed.json, written by `minipaged bench speed --json docs/figures/speed.json`
+- ablation: docs/figures/ablation.json, written by `minipaged bench ablation --json docs/figures/ablation.json`
 - profile: docs/figures/profile.json, written by `minipaged bench profile --json docs/figures/profile.json`
 
 Usage: python scripts/update_readme.py [--check]   (--check: exit 1 if the README is stale)
@@ -177,7 +178,21 @@ def bench_quick_fp32_block() -> str:
     return bench_block("bench_quick_fp32.json", pictures=False)
 
 
-BLOCKS = {"badges": badges_block, "timings": timings_block, "bench": bench_block, "bench_quick": bench_quick_block,
+def ablation_block() -> str:
+    p = ROOT / "docs" / "figures" / "ablation.json"
+    if not p.exists():
+        return "(run `minipaged bench ablation --json docs/figures/ablation.json` to measure)"
+    from minipaged.bench.ablation import format_markdown
+
+    res = json.loads(p.read_text())
+    m = res.get("machine", {})
+    head = (f"Command: `minipaged bench ablation --json docs/figures/ablation.json` ({res['num_requests']} chat requests x "
+            f"{res['max_tokens']} tokens, greedy; {m.get('cpus', '?')} threads, torch {m.get('torch', '?')}; measured "
+            f"{res.get('when', '?')}, one process, rung after rung).")
+    return head + "\n\n" + format_markdown(res).strip()
+
+
+BLOCKS = {"badges": badges_block, "ablation": ablation_block, "timings": timings_block, "bench": bench_block, "bench_quick": bench_quick_block,
           "bench_quick_fp32": bench_quick_fp32_block,
           "speed": speed_block,
           "profile": profile_block}
