@@ -360,3 +360,121 @@ def test_contradicting_options_get_a_clear_error(capsys) -> None:
         with pytest.raises(SystemExit) as e:
             grading.main(argv)
         assert e.value.code == 2 and text in capsys.readouterr().err
+
+
+# -- issue 25: honest work passes, forged work fails, in both modes --------------------------------
+MODES = [pytest.param(("--no-sandbox",), id="no-sandbox"),
+         pytest.param((), id="bwrap", marks=pytest.mark.skipif(not HAVE_BWRAP, reason=NO_BWRAP))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", MODES)
+def test_every_solution_passes_through_the_grader(tmp_path: Path, flags: tuple) -> None:
+    """solutions/ handed in by one learner and graded as a class: every check passes (or skips), no flag."""
+    pkg = _copy_package(tmp_path / "pkg")
+    learner = tmp_path / "class" / "solver"
+    learner.mkdir(parents=True)
+    for nb in sorted((ROOT / "solutions").glob("0*.ipynb")):
+        shutil.copyfile(nb, learner / nb.name)
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, output = _grade(pkg, out, str(tmp_path / "class"), "--jobs", "2", *flags, timeout=1800)
+    rows = _rows(out / "grades.jsonl")
+    graded = {r["workbook"] for r in rows}
+    assert graded == {nb.stem for nb in (ROOT / "solutions").glob("0*.ipynb")}, output[-3000:]
+    bad = [(r["workbook"], r["check"], r["result"], r["message"][:300]) for r in rows
+           if r["result"] not in ("pass", "skip")]
+    assert not bad, f"honest work did not pass: {bad}\n{output[-3000:]}"
+    assert rc == 0, output[-3000:]
+
+
+def _grade_issue25(tmp: Path, flags: tuple) -> Graded:
+    return _grade_hostile(tmp, *flags, only=("i_", "honest_bob", "zz_"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", MODES)
+def test_forged_passes_fail_or_are_flagged(tmp_path: Path, flags: tuple) -> None:
+    """The attacks of issue 25: a fake import, an int whose == is always true, a tensor subclass that
+    makes torch.equal true, a stack walk to the harness, dir_fd writes and a forged .pyc, a signal to the
+    grader, a fork through ctypes. None passes an unsolved workbook, no file outside changes, the run survives."""
+    g = _grade_issue25(tmp_path, flags)
+    assert g.rc != 130, "a learner's signal stopped the grader:\n" + g.output[-3000:]
+    _check_class(g)
+    _check_files(g)
+    by = {(r["learner"], r["check"]): r for r in g.rows}
+    # the forged .pyc (graded before zz_unsolved_last) changed nothing: the unsolved learner still fails
+    assert all(by[("zz_unsolved_last", c)]["result"] == "FAIL" for c in (make_class.B01, make_class.Q01, make_class.M01))
+    assert by[("honest_bob", make_class.B01)]["result"] == "pass"  # dir_fd could not delete the classmate's notebook
+    walk = by[("i_stack_walk", "(review)")]["message"]
+    assert "cell" in walk and "sys._getframe" in walk, walk
+    assert not list((g.root / "pkg" / "minipaged" / "checks").glob("__pycache__/kv_cache_math*"))
+
+
+def test_scoreboard_strips_control_characters() -> None:
+    import io
+
+    rows = [grading.Row("x\nalice: 7/7 checks passed", "01_kv_cache_math", "bytes per token", "FAIL",
+                        "\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2Jcleared\x9b31m \u202eevil", "f")]
+    buf = io.StringIO()
+    grading.print_scoreboard(rows, out=buf)
+    text = buf.getvalue()
+    assert "\x1b" not in text and "\x07" not in text and "\x9b" not in text and "\u202e" not in text
+    assert not any(line.startswith("alice: 7/7") for line in text.splitlines()), text
+    assert "x?alice" in text and "cleared" in text
+
+
+def test_an_ambiguous_learner_name_is_reported_not_merged(tmp_path: Path) -> None:
+    cls = tmp_path / "class"
+    (cls / "a_honest").mkdir(parents=True)
+    shutil.copyfile(ROOT / "solutions" / "01_kv_cache_math.ipynb", cls / "a_honest" / "01_kv_cache_math.ipynb")
+    shutil.copyfile(ROOT / "exercises" / "02_block_allocator.ipynb", cls / "a_honest_02_block_allocator.ipynb")
+    subs, rows = grading.discover([str(cls)])
+    assert [(s.learner, s.workbook) for s in subs] == [("a_honest", "01_kv_cache_math")]
+    assert len(rows) == 1 and rows[0].result == "broken" and "ambiguous" in rows[0].message
+
+
+def test_the_package_digest_covers_bytecode(tmp_path: Path) -> None:
+    (tmp_path / "checks" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "checks" / "a.py").write_text("x = 1\n")
+    before = grading.tree_digest(tmp_path)
+    (tmp_path / "checks" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"forged")
+    assert grading.tree_digest(tmp_path) != before
+
+
+def test_checks_compare_plain_values() -> None:
+    import torch
+
+    from minipaged.checks import _core
+
+    class Any(int):
+        def __eq__(self, other):
+            return True
+
+        def __ne__(self, other):
+            return False
+
+        __hash__ = int.__hash__
+
+    class Liar(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func in (torch.equal, torch.allclose):
+                return True
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    got = _core.learner_call(lambda: Any(3), what="f()")
+    assert type(got) is int and got == 3 and got != 4
+    t = _core.learner_call(lambda: torch.zeros(2).as_subclass(Liar), what="g()")
+    assert type(t) is torch.Tensor and not torch.equal(t, torch.ones(2))
+    assert _core.learner_call(lambda: [Any(1), (Any(2),)], what="h()") == [1, (2,)]
+    assert type(_core.learner_call(lambda: [Any(1)], what="h()")[0]) is int
+
+
+def test_the_review_reads_the_code_not_its_spelling() -> None:
+    hits = grading._review_hits("import sys\nf = getattr(sys, '_get' + 'frame')(0)\nb = getattr(f, 'f_' + 'back')")
+    assert "getattr with a computed name" in hits
+    assert "import ctypes" in grading._review_hits("import ctypes as c")
+    for nb in sorted((ROOT / "solutions").glob("0*.ipynb")):  # honest work is never flagged
+        plan = canonical.build_plan(ROOT / "exercises" / nb.name, nb, nb.stem)
+        assert grading._suspicious(plan) == [], nb.name

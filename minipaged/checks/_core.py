@@ -197,7 +197,8 @@ def learner_call(fn: Callable, *args, what: str, context: Callable[[], str] = la
     """
     try:
         with watching(what):
-            return fn(*args, **kwargs)
+            got = fn(*args, **kwargs)
+        return plain(got, what)
     except CheckFailed:
         raise
     except NotImplementedError as e:
@@ -214,6 +215,59 @@ def learner_call(fn: Callable, *args, what: str, context: Callable[[], str] = la
             + (f"\n{ctx}\n" if ctx else "")
             + "\nThe reference does not raise here. Read the error above, fix that line, re-run its cell and this check."
         ) from e
+
+
+def plain(value: Any, what: str = "your code", depth: int = 0) -> Any:
+    """``value`` as the checks compare it: numbers, text and containers of exact built-in types, tensors
+    copied into plain ``torch.Tensor``s. A subclass's ``==``, ``__torch_function__`` or ``__iter__`` is
+    never what decides a check: an ``int`` subclass becomes the ``int`` it holds, a tensor subclass its data.
+    Other objects (a learner's class) are returned as they are; their methods are called through learner_call."""
+    t = type(value)
+    if t in (int, float, str, bytes, bool, type(None)) or depth > 8:
+        return value
+    if isinstance(value, bool):
+        return bool(int.__index__(value))
+    if isinstance(value, int):
+        return int.__index__(value)  # the value itself, whatever __eq__ or __int__ the subclass defines
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bytes):
+        return bytes(memoryview(value))
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return _plain_tensor(torch, value, what)
+    if t is list or (isinstance(value, list) and _overrides(t, list)):
+        return [plain(x, what, depth + 1) for x in list.__iter__(value)]
+    if t is tuple or (isinstance(value, tuple) and _overrides(t, tuple)):
+        return tuple(plain(x, what, depth + 1) for x in tuple.__iter__(value))
+    if t is dict or (isinstance(value, dict) and _overrides(t, dict)):
+        return {plain(k, what, depth + 1): plain(v, what, depth + 1) for k, v in dict.items(value)}
+    if t is set or t is frozenset or (isinstance(value, (set, frozenset)) and _overrides(t, set, frozenset)):
+        base = frozenset if isinstance(value, frozenset) else set
+        return base(plain(x, what, depth + 1) for x in base.__iter__(value))
+    return value  # a learner's object, or a subclass that compares as its base does
+
+
+_COMPARE = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__iter__", "__len__",
+            "__getitem__", "__contains__", "__bool__", "__index__", "__int__", "__float__", "__str__", "__iter__",
+            "keys", "values", "items", "get", "copy", "count", "index")
+
+
+def _overrides(t: type, *bases: type) -> bool:
+    """True when the subclass ``t`` defines a comparison, iteration or conversion of its own."""
+    return any(getattr(t, name, None) is not getattr(bases[0], name, None) for name in _COMPARE)
+
+
+def _plain_tensor(torch, value, what: str):
+    keys = torch._C._dispatch_keys(value)
+    if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter) and (
+            keys.has(torch._C.DispatchKey.Python) or type(value).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__):
+        raise CheckFailed(f"{what} returned a {type(value).__name__}, a subclass of torch.Tensor that overrides how "
+                          "torch runs on it. Return a plain torch.Tensor (the reference does).")
+    with torch._C.DisableTorchFunction():  # a subclass's __torch_function__ never runs here
+        return value.detach().clone()
 
 
 def passed(line: str) -> None:

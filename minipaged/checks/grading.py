@@ -55,6 +55,15 @@ from . import canonical, sandbox
 from ._workbooks import WORKBOOKS, identify, learner_from_name
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# escape sequences (CSI, OSC such as OSC 52, which writes the clipboard), then every control character
+# left, C0, C1 and the bidirectional overrides: learner text never drives the instructor's terminal
+_ESCAPES = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)?|[PX^_][^\x1b]*(\x1b\\)?|.)?|\x9b[0-?]*[ -/]*[@-~]")
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
+
+
+def clean(text: str) -> str:
+    """``text`` safe to print on a terminal: escape sequences removed, other control characters as '?'."""
+    return _CONTROLS.sub("?", _ESCAPES.sub("", str(text)))
 _PACKAGE = Path(__file__).resolve().parent.parent
 FIELDS = ["learner", "workbook", "check", "result", "message", "file", "sha256"]
 # What a learner's cells rarely hold unless they aim at the grader: worth the instructor's eyes.
@@ -83,6 +92,17 @@ class Row:
     @property
     def ok(self) -> bool:
         return self.result in ("pass", "skip", "note")
+
+
+# docs/instructor.md, "Without bubblewrap", says the same: keep the two alike.
+NO_SANDBOX_PROTECTS = (
+    "resource limits, and a Python audit hook in each run that refuses writes and deletions outside the "
+    "learner's copy (dir_fd included), folders opened outside it, new processes, signals and ctypes from "
+    "learners' code; the installed package is verified before and after each learner and never loaded "
+    "from bytecode; the grader ignores signals sent from a learner's run, and kills each run's process group "
+    "when it ends. NOT protected: a learner's code can READ every file you can (classmates' notebooks "
+    "included), use the network, and native code (a compiled extension) gets past the audit hook. "
+    "Install bubblewrap for a class you do not trust.")
 
 
 class GradingError(Exception):
@@ -137,7 +157,32 @@ def discover(paths: list[str]) -> tuple[list[Submission], list[Row]]:
             elif stem is not None:  # named like a workbook, but not a notebook
                 rows.append(Row(_learner(f, path, stem), stem or f.stem, "(file)", "broken",
                                 f"not a notebook ({f.suffix or 'no extension'}): submit the .ipynb file", str(f)))
-    return subs, rows
+    return _unambiguous(subs, rows, paths)
+
+
+def _unambiguous(subs: list[Submission], rows: list[Row], paths: list[str]) -> tuple[list[Submission], list[Row]]:
+    """One learner, one source: a name given both by a folder (``alice/``) and by files named for a learner
+    (``alice_02_....ipynb`` beside it) is reported, never merged; neither can then pull the other's score."""
+    by_folder: dict[str, set] = {}
+    for s in subs:
+        root = next((Path(x) for x in paths if Path(x).is_dir() and Path(x) in s.path.parents), None)
+        kind = "folder" if root is not None and len(s.path.relative_to(root).parts) > 1 else "file"
+        by_folder.setdefault(s.learner, set()).add(kind)
+    clash = {name for name, kinds in by_folder.items() if len(kinds) > 1}
+    if not clash:
+        return subs, rows
+    keep = []
+    for s in subs:
+        root = next((Path(x) for x in paths if Path(x).is_dir() and Path(x) in s.path.parents), None)
+        loose = root is None or len(s.path.relative_to(root).parts) == 1
+        if s.learner in clash and loose:
+            rows.append(Row(s.learner, s.workbook, "(file)", "broken",
+                            f"ambiguous: this file's name makes it {s.learner}'s, and a folder {s.learner}/ holds "
+                            f"{s.learner}'s workbooks too; not graded and not merged. Move it into the right folder.",
+                            str(s.path)))
+        else:
+            keep.append(s)
+    return keep, rows
 
 
 def _sha256(path: Path) -> str:
@@ -152,10 +197,13 @@ def _sha256(path: Path) -> str:
 
 
 def tree_digest(root: Path) -> str:
-    """One sha256 over every file under ``root`` (names and contents): the installed checks."""
+    """One sha256 over every file under ``root`` (names and contents), bytecode in __pycache__ included:
+    the installed package. A .pyc written there could change any later run that loads it."""
     h = hashlib.sha256()
     for p in sorted(root.rglob("*")):
-        if p.is_file() and "__pycache__" not in p.parts:
+        if p.is_symlink():
+            h.update(str(p.relative_to(root)).encode() + b"\0symlink")
+        elif p.is_file():
             h.update(str(p.relative_to(root)).encode() + b"\0" + _sha256(p).encode())
     return h.hexdigest()
 
@@ -176,7 +224,7 @@ class Settings:
 
 
 def _first_line(text: str) -> str:
-    text = _ANSI.sub("", text or "").strip()
+    text = _ESCAPES.sub("", text or "").strip()
     return text.split("\n", 1)[0].strip()[:300] if text else ""
 
 
@@ -203,11 +251,61 @@ def _verify(lines: list[bytes], key: bytes) -> tuple[list[dict], list[str]]:
     return events, bad
 
 
+# What the review reads in a learner's cells, by the parsed code (a name split in two, a getattr with a
+# computed name, an import of a module under another name are all seen): frames, the object graph,
+# the import system, the interpreter's memory, the grader.
+_REVIEW_NAMES = frozenset({
+    "_getframe", "f_back", "f_locals", "f_globals", "f_code", "f_builtins", "tb_frame", "gi_frame", "cr_frame",
+    "ag_frame", "get_objects", "get_referrers", "get_referents", "_current_frames", "settrace", "setprofile",
+    "addaudithook", "pythonapi", "__code__", "__globals__", "__closure__", "__builtins__", "__import__",
+    "__subclasses__", "__getattribute__", "_handle_fromlist", "_bootstrap", "_bootstrap_external", "modules",
+    "meta_path", "path_hooks", "_exit", "dup2", "pidfd_send_signal", "pidfd_open", "dir_fd", "eval", "exec",
+    "compile", "globals", "vars", "__torch_function__", "__torch_dispatch__", "_make_subclass", "interrupt_main",
+    "setrecursionlimit", "breakpoint"})
+_REVIEW_MODULES = frozenset({"ctypes", "gc", "inspect", "importlib", "builtins", "marshal", "signal", "_signal",
+                             "traceback", "dis", "types", "pty", "subprocess", "multiprocessing", "_thread",
+                             "_frozen_importlib", "_frozen_importlib_external", "_imp", "runpy", "pickle",
+                             "mmap", "resource"})
+_REVIEW_TEXT = ("/proc/", "harness", "__pycache__", "_getframe", "f_back", "grades.", ".pyc")
+
+
+def _review_hits(source: str) -> set:
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return {s for s in SUSPICIOUS if s in source}
+    hits: set = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in _REVIEW_NAMES:
+            hits.add(f"{node.value.id}.{node.attr}" if isinstance(node.value, ast.Name) else node.attr)
+        elif isinstance(node, ast.Name) and node.id in _REVIEW_NAMES:
+            hits.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for n in names:
+                if n in _REVIEW_MODULES or n.split(".")[0] in _REVIEW_MODULES:
+                    hits.add(f"import {n}")
+            if isinstance(node, ast.ImportFrom):
+                hits |= {a.name for a in node.names if a.name in _REVIEW_NAMES}
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                "getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2:
+            name = node.args[1]
+            if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+                hits.add(f"{node.func.id} with a computed name")
+            elif name.value in _REVIEW_NAMES or name.value.startswith("__"):
+                hits.add(f"{node.func.id}(..., {name.value!r})")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            hits |= {t for t in _REVIEW_TEXT if t in node.value}
+    return hits
+
+
 def _suspicious(plan: canonical.Plan) -> list[str]:
     found = []
     for cell in plan.cells:
         if cell.kind == "code":
-            hits = sorted({s for s in SUSPICIOUS if s in cell.source})
+            hits = sorted(_review_hits(cell.source))
             if hits:
                 found.append(f"{cell.label}: {', '.join(hits)}")
     return found
@@ -288,6 +386,12 @@ def grade_submission(sub: Submission, settings: Settings, siblings: list[Submiss
         why = ("ERROR", f"the run ended before this check finished (exit status {code}: {how}"
                         + (f"; last in {last})" if last else ")"))
     verdicts = {e["check"]: e for e in events if e.get("event") == "check" and isinstance(e.get("check"), str)}
+    seen_review = []
+    for e in events:
+        if e.get("event") == "review" and isinstance(e.get("cell"), int) and 0 <= e["cell"] < len(plan.cells):
+            item = f"{plan.cells[e['cell']].label}: {e.get('what', '')}"
+            if item not in seen_review:
+                seen_review.append(item)
     for e in events:
         if e.get("event") == "cell":
             rows.append(row(f"{e.get('label', 'a cell')} (your code, not a check)", "ERROR", str(e.get("message", ""))))
@@ -304,8 +408,14 @@ def grade_submission(sub: Submission, settings: Settings, siblings: list[Submiss
     for n in plan.notes:
         rows.append(row("(notebook)", "note", n))
     hits = _suspicious(plan)
-    if hits:
-        rows.append(row("(review)", "note", "code that reaches into the grader or the interpreter; read it: " + "; ".join(hits)[:600]))
+    if hits or seen_review:  # one row: what the code says (read before the run) and what it did (seen while it ran)
+        parts = []
+        if seen_review:
+            parts.append("while it ran, code of yours looked at the interpreter's frames, objects or memory "
+                         "(what a forged pass needs): " + "; ".join(seen_review))
+        if hits:
+            parts.append("code that reaches into the grader or the interpreter; read it: " + "; ".join(hits))
+        rows.append(row("(review)", "note", " | ".join(parts)[:900]))
     return rows
 
 
@@ -411,7 +521,7 @@ def print_scoreboard(rows: list[Row], out=sys.stdout) -> None:
         print("nothing was graded", file=out)
         return
     head = ["learner", "workbook", "check", "result", "message"]
-    table = [[r.learner, r.workbook, r.check, r.result, r.message] for r in rows]
+    table = [[clean(r.learner), clean(r.workbook), clean(r.check), clean(r.result), clean(r.message)] for r in rows]
     width = [min(max(len(x[i]) for x in table + [head]), cap) for i, cap in enumerate((20, 26, 48, 7, 10_000))]
 
     def fmt(cells):
@@ -443,7 +553,10 @@ def print_scoreboard(rows: list[Row], out=sys.stdout) -> None:
         flagged = [r for r in rs if r.check in ("(check cells)", "(result channel)")]
         if flagged:
             extra.append("check cells or results tampered with")
-        print(f"{learner}: {passed_n}/{len(checks)} checks passed" + (f" ({', '.join(extra)})" if extra else ""), file=out)
+        review = [r for r in rs if r.check == "(review)"]
+        if review:
+            extra.append("flagged for review: read the cells the (review) rows name")
+        print(clean(f"{learner}: {passed_n}/{len(checks)} checks passed" + (f" ({', '.join(extra)})" if extra else "")), file=out)
 
 
 class Progress:
@@ -462,7 +575,7 @@ class Progress:
         n = 24
         fill = int(n * self.done / max(1, self.total))
         bar = "#" * fill + "." * (n - fill)
-        line = (f"[{bar}] {self.done}/{self.total}  {sub.learner} {sub.workbook}: {ok}/{len(checks)} ok "
+        line = (f"[{bar}] {self.done}/{self.total}  {clean(sub.learner)} {clean(sub.workbook)}: {ok}/{len(checks)} ok "
                 f"({wall:.0f} s)  elapsed {_clock(el)}, about {_clock(eta)} left")
         print(("\r\x1b[K" if self.live else "") + line, end="" if self.live else "\n", file=self.out, flush=True)
 
@@ -528,12 +641,14 @@ def run(args: argparse.Namespace) -> int:
         print("no workbooks found in " + ", ".join(args.paths), file=sys.stderr)
         return 2
     use_bwrap = not args.no_sandbox and sandbox.bwrap_path() is not None
+    sys.dont_write_bytecode = True  # the grader's own lazy imports leave the package's digest as it was
     if not use_bwrap:
         print("warning: learners' code is NOT sandboxed (bubblewrap "
               + ("disabled by --no-sandbox" if args.no_sandbox else "is not installed: apt-get install bubblewrap")
-              + "): resource limits only", file=sys.stderr)
+              + "): " + NO_SANDBOX_PROTECTS, file=sys.stderr)
     hide = sorted({str(Path(x).resolve()) for x in args.paths if Path(x).is_dir()}
-                  | {str(Path(x).resolve().parent) for x in args.paths if Path(x).is_file()})
+                  | {str(Path(x).resolve().parent) for x in args.paths if Path(x).is_file()}
+                  | {str(p.resolve().parent) for p in (csv_path, jsonl_path)})  # the grades are never readable inside
     limits = sandbox.Limits(wall_s=args.timeout, memory_bytes=int(args.memory * 2**30))
     settings = Settings(exercises=exercises.resolve(), limits=limits, use_bwrap=use_bwrap, hide=tuple(hide))
     order = {w: i for i, w in enumerate(WORKBOOKS)}
@@ -562,11 +677,9 @@ def run(args: argparse.Namespace) -> int:
     package_digest = tree_digest(_PACKAGE)
     stop = threading.Event()
 
-    def on_term(signum, frame):  # noqa: ARG001 - `kill` stops like Ctrl-C: the runs in progress are ended too
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_term)
+    interrupted = threading.Event()
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "sigwaitinfo"):
+        _watch_signals(interrupted)  # a kill from the terminal stops like Ctrl-C; one from a learner's run is ignored
     progress = Progress(len(todo))
     aborted = ""
     pool = cf.ThreadPoolExecutor(max_workers=args.jobs)
@@ -574,7 +687,7 @@ def run(args: argparse.Namespace) -> int:
         futures = {}
         for s in todo:
             futures[pool.submit(_timed, grade_submission, s, settings, siblings, stop)] = s
-        for fut in cf.as_completed(futures):
+        for fut in _completed(futures, interrupted):
             s = futures[fut]
             try:
                 graded, wall = fut.result()
@@ -623,6 +736,34 @@ def run(args: argparse.Namespace) -> int:
     print_scoreboard(rows)
     print(f"\nwrote {csv_path} and {jsonl_path}")
     return 0 if all(r.ok for r in rows) else 1
+
+
+def _completed(futures, interrupted: threading.Event):
+    """cf.as_completed, that raises KeyboardInterrupt when the signal watcher says so."""
+    pending = set(futures)
+    while pending:
+        done, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+        if interrupted.is_set():
+            raise KeyboardInterrupt
+        yield from done
+
+
+def _watch_signals(interrupted: threading.Event) -> None:
+    """SIGINT and SIGTERM, read by a thread with their sender: one sent by a learner's run (its session,
+    alive or gone) is reported and ignored; any other sender (Ctrl-C, `kill`) stops the grader."""
+    wanted = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, wanted)  # before any other thread starts: they inherit it
+
+    def watch() -> None:
+        while True:
+            info = signal.sigwaitinfo(wanted)
+            if info.si_pid and sandbox.sent_by_a_run(info.si_pid):
+                print(f"\nignored signal {info.si_signo} sent by a learner's run (process {info.si_pid})", file=sys.stderr)
+                continue
+            interrupted.set()
+            return
+
+    threading.Thread(target=watch, daemon=True, name="minipaged-grade-signals").start()
 
 
 def _timed(fn, *args):

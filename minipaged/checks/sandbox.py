@@ -21,6 +21,7 @@ from pathlib import Path
 SANDBOX_DIR = "/tmp/submission"  # the private copy's path inside bwrap (a private /tmp, in memory)
 SUBMITTED_DIR = "/tmp/.submitted"  # the files handed in, read-only; the harness copies them to SANDBOX_DIR
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent.parent)
+_HARNESS = str(Path(__file__).resolve().with_name("harness.py"))
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Limits:
     cpu_s: int = 0  # RLIMIT_CPU; 0: twice wall_s
     file_bytes: int = 64 * 2**20  # RLIMIT_FSIZE: any one file the run writes
     procs: int = 256  # RLIMIT_NPROC, on top of what the user runs already (not enforced for root)
-    disk_bytes: int = 512 * 2**20  # with bwrap: all the run writes (its /tmp, its copy) is in a tmpfs this size
+    disk_bytes: int = 512 * 2**20  # with bwrap: all the run writes (its /tmp, its copy, /dev/shm) is in tmpfs this size
     output_bytes: int = 256 * 2**10  # of stdout and stderr kept; the rest is read and dropped
     result_bytes: int = 4 * 2**20  # of the result channel kept
 
@@ -82,7 +83,8 @@ def _user_tasks() -> int:
 
 
 _LAUNCHER = (
-    "import os, resource, sys\n"
+    "import os, resource, signal, sys\n"
+    "signal.pthread_sigmask(signal.SIG_SETMASK, [])\n"  # the grader blocks SIGINT/SIGTERM to read them with their sender
     "for name, value in zip(('RLIMIT_AS', 'RLIMIT_CPU', 'RLIMIT_FSIZE', 'RLIMIT_NPROC', 'RLIMIT_CORE'), sys.argv[1:6]):\n"
     "    v = int(value)\n"
     "    hard = resource.getrlimit(getattr(resource, name))[1]\n"
@@ -102,12 +104,16 @@ def _needed_paths() -> list[str]:
 
 def command(workdir: Path, *, use_bwrap: bool, hide: list[str], env: dict, limits: Limits, procs: int) -> list[str]:
     cpu = limits.cpu_s or int(2 * limits.wall_s) + 1
-    python = [sys.executable, "-s", "-m", "minipaged.checks.harness"]
+    # the harness as a script: compiled from its source, never from a __pycache__ a learner could have written
+    python = [sys.executable, "-s", "-B", _HARNESS]
     inner = python
     if use_bwrap:
         exe = bwrap_path()
         assert exe is not None
-        b = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--size", str(limits.disk_bytes), "--tmpfs", "/tmp"]
+        # all the run writes is in two tmpfs, /tmp and /dev/shm, that share disk_bytes (3/4 and 1/4)
+        shm = max(limits.disk_bytes // 4, 2**20)
+        b = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--size", str(shm), "--tmpfs", "/dev/shm", "--proc", "/proc",
+             "--size", str(max(limits.disk_bytes - shm, 2**20)), "--tmpfs", "/tmp"]
         for h in hide:  # the class folder and the grader's output: not even readable
             if os.path.isdir(h) and not h.startswith("/tmp/"):
                 b += ["--tmpfs", h]
@@ -140,6 +146,21 @@ def environment(workdir: str, *, use_bwrap: bool) -> dict:
         if k in os.environ:
             env[k] = os.environ[k]
     return env
+
+
+# every run's process (its session leader), running or ever started: whose signals the grader ignores
+_RUNS_NOW: set = set()
+_RUNS_EVER: set = set()
+
+
+def sent_by_a_run(pid: int) -> bool:
+    """True when ``pid`` is (or was) a learner's run or is in the session of one running now."""
+    if pid in _RUNS_EVER:
+        return True
+    try:
+        return os.getsid(pid) in _RUNS_NOW
+    except OSError:
+        return False
 
 
 def _drain(fd: int, cap: int, out: list[bytes]) -> None:
@@ -175,6 +196,8 @@ def run(job: bytes, workdir: Path, *, use_bwrap: bool, limits: Limits, hide: lis
     finally:
         os.close(wfd)
         os.close(log_w)
+    _RUNS_NOW.add(proc.pid)
+    _RUNS_EVER.add(proc.pid)
     lines_raw: list[bytes] = []
     output: list[bytes] = []
     readers = [threading.Thread(target=_drain, args=(rfd, limits.result_bytes, lines_raw), daemon=True),
@@ -197,14 +220,31 @@ def run(job: bytes, workdir: Path, *, use_bwrap: bool, limits: Limits, hide: lis
                 timed_out = True
                 _kill_group(proc, limits.grace_s)
                 break
+    _end_group(proc.pid)  # what the run left behind in its session (a forked child) ends with it
     for t in readers:
         t.join(timeout=limits.grace_s + 5)
     if proc.poll() is None:  # a reader still blocked: something in the group kept a pipe open
         _kill_group(proc, 0)
+    _RUNS_NOW.discard(proc.pid)
     wall = time.monotonic() - t0
     data = b"".join(lines_raw)
     return Outcome(lines=data.split(b"\n"), output=b"".join(output).decode("utf-8", "replace"),
                    returncode=proc.returncode, timed_out=timed_out, wall_s=wall, bwrap=use_bwrap)
+
+
+def _end_group(sid: int) -> None:
+    """SIGKILL every process of the session ``sid`` (the run's), whatever group it moved to."""
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except OSError:
+        pass
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if d.isdigit():
+            try:
+                if os.getsid(int(d)) == sid and int(d) != os.getpid():
+                    os.kill(int(d), signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _kill_group(proc: subprocess.Popen, grace: float) -> None:

@@ -215,6 +215,82 @@ def build(root: Path, package: Path) -> dict:
     delegate("e_alias", "from minipaged import BlockAllocator as MyBlockAllocator")
     delegate("e_subclass", "from minipaged import BlockAllocator\n\nclass MyBlockAllocator(BlockAllocator):\n    pass")
 
+    # -- issue 25: forged passes that got through, and attacks on the grader without bwrap -------------
+    # Every i_ attacker below but the file/process ones hands in an UNSOLVED workbook: nothing may pass.
+    verdict_attack("i_handle_fromlist",  # the check cell's own `from minipaged.checks import x` returns a fake
+                   "import importlib._bootstrap as _b, types\n_real = _b._handle_fromlist\n"
+                   "_fake = types.SimpleNamespace(check_bytes_per_token=lambda *a: None,\n"
+                   "    check_bytes_per_sequence=lambda *a: None, check_max_seqs=lambda *a: None)\n"
+                   "def _hf(module, fromlist, import_, **kw):\n"
+                   "    return _fake if getattr(module, '__name__', '') == 'minipaged.checks' else _real(module, fromlist, import_, **kw)\n"
+                   "_b._handle_fromlist = _hf",
+                   ALL_TAMPERED)
+
+    def always_equal(nb):  # every answer returns an int whose == is always true
+        for c in nb.cells:
+            if c.cell_type == "code" and "raise NotImplementedError()" in c.source:
+                names = [ln.split("def ", 1)[1].split("(", 1)[0] for ln in c.source.split("\n") if ln.startswith("def ")]
+                c.source += ("\n\nclass _Any(int):\n    def __eq__(self, other):\n        return True\n"
+                             "    def __ne__(self, other):\n        return False\n    __hash__ = int.__hash__\n"
+                             + "".join(f"\ndef {n}(*a, **k):\n    return _Any(0)\n" for n in names))
+
+    verdict_attack("i_int_always_equal", "", {B01: ("FAIL", ""), Q01: ("FAIL", ""), M01: ("FAIL", "")}, edit=always_equal)
+    walk = ("import sys\n_g = getattr(sys, '_get' + 'frame')\n_f = _g(0)\n"
+            "while _f is not None:\n"
+            "    _loc = getattr(_f, 'f_' + 'locals')\n"
+            "    for _v in list(_loc.values()):\n"
+            "        if type(_v) is dict and 'cells' in _v:\n"
+            "            for _c in _v['cells']:\n"
+            "                if _c.get('kind') == 'check':\n"
+            "                    _c['source'] = 'pass'\n"
+            "        if type(_v) is list:\n"
+            "            for _c in _v:\n"
+            "                if type(_c) is dict and _c.get('kind') == 'check':\n"
+            "                    _c['source'] = 'pass'\n"
+            "    _f = getattr(_f, 'f_' + 'back')\n")
+    verdict_attack("i_stack_walk", walk, {**ALL_NOT_IMPL, "(review)": ("note", "sys._getframe")})
+
+    def tensor_subclass(nb):  # the right shape, the wrong values, and torch.equal/allclose made true
+        for c in nb.cells:
+            if c.cell_type == "code" and "def gather_kv(" in c.source:
+                c.source = ("import torch\nclass _Liar(torch.Tensor):\n    @classmethod\n"
+                            "    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
+                            "        if func in (torch.equal, torch.allclose, torch.isclose, torch.Tensor.equal):\n"
+                            "            return True\n"
+                            "        return super().__torch_function__(func, types, args, kwargs or {})\n\n"
+                            "def gather_kv(cache, block_table, context_len):\n"
+                            "    return torch.zeros(context_len, *cache.shape[2:], dtype=cache.dtype).as_subclass(_Liar)\n")
+            elif c.cell_type == "code" and "def paged_attention(" in c.source:
+                c.source = ("def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out=None):\n"
+                            "    return torch.zeros_like(q).as_subclass(_Liar)\n")
+
+    nb = _nb(EXERCISES, "04_paged_attention_torch")
+    tensor_subclass(nb)
+    _write(nb, cls / "i_tensor_subclass" / "04_paged_attention_torch.ipynb")
+    E["i_tensor_subclass"] = {"04_paged_attention_torch": {"gather through the block table": ("FAIL", "")}}
+
+    # without bwrap (the audit hook): a classmate's notebook deleted through dir_fd, a forged .pyc of the
+    # checks written the same way (it must not make the unsolved learner graded after it pass), the grader
+    # signalled by pidfd, a process forked through ctypes
+    fs_attack("i_dir_fd_remove", f"fd = os.open({str(cls / 'honest_bob')!r}, os.O_RDONLY)\n"
+                                 f"os.remove('{WB}.ipynb', dir_fd=fd)")
+    pyc_dir = package / "minipaged" / "checks" / "__pycache__"
+    forge = ("import importlib.util, marshal, sys\n"
+             f"d = {str(pyc_dir)!r}\n"
+             "try:\n    os.makedirs(d, exist_ok=True)\nexcept OSError as e:\n    print(e)\n"
+             "code = compile('def check_bytes_per_token(*a):\\n    pass\\ncheck_bytes_per_sequence = check_max_seqs = check_bytes_per_token\\n', "
+             f"{str(package / 'minipaged' / 'checks' / 'kv_cache_math.py')!r}, 'exec')\n"
+             "data = importlib.util.MAGIC_NUMBER + b'\\x00' * 12 + marshal.dumps(code)\n"
+             "name = 'kv_cache_math.' + sys.implementation.cache_tag + '.pyc'\n"
+             "fd = os.open(d, os.O_RDONLY)\n"
+             "w = os.open(name, os.O_WRONLY | os.O_CREAT, dir_fd=fd)\nos.write(w, data)\n")
+    fs_attack("i_forged_pyc", forge)
+    fs_attack("i_pidfd_kill_grader", "import signal\n"
+                                     "pfd = os.pidfd_open(os.getppid())\nsignal.pidfd_send_signal(pfd, signal.SIGTERM)\n")
+    fs_attack("i_ctypes_fork", "import ctypes, time\npid = ctypes.pythonapi.fork()\n"
+                               "if pid == 0:\n    time.sleep(600)\n    os._exit(0)\n")
+    E["i_ctypes_fork"] = {WB: {"(review)": ("note", "ctypes")}}
+
     # -- broken files: reported, and the class is still graded ----------------------------------------
     raw = json.loads((SOLUTIONS / f"{WB}.ipynb").read_text())
     bad = copy.deepcopy(raw)
