@@ -1,0 +1,353 @@
+"""``minipaged bench paper``: the PagedAttention paper's Figs. 12 and 13 on a simulated GPU.
+
+Owns the experiment: for each system (FasterTransformer, Orca Max/Pow2/Oracle, vLLM), a
+sweep of Poisson request rates through the simulator, the normalized latency of each
+(end-to-end latency / output tokens, s/token, averaged over requests: Fig. 12), the highest
+rate each sustains below a latency threshold, and the mean number of batched requests at one
+rate (Fig. 13). The paper's setting is the default: OPT-13B on one A100-40GB, ShareGPT.
+
+How the sweep is placed: one short burst run per system estimates the most it can serve
+(its knee), then the curve is measured at fixed fractions of that with the full number of requests,
+and ``max_rate`` is read off the curve (log-linear interpolation between the last point
+below the threshold and the first above).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from .cost import DEFAULT_CALIBRATION, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, StepCostModel, memory_plan
+from .datasets import get_dataset, poisson_arrivals, sample_lengths
+from .policies import SYSTEMS
+from .simulator import SimResult, build_scheduler
+from .simulator import run as serve
+from .specs import get_gpu, get_model
+
+# What the paper reports (Kwon et al., SOSP 2023): Fig. 13a, OPT-13B, ShareGPT at 2 req/s, and
+# the §6.2 ranges of vLLM's sustainable rate over the Orca baselines on ShareGPT.
+PAPER_FIG13_SHAREGPT = {"orca_max": 7.00, "orca_pow2": 9.81, "orca_oracle": 13.62, "vllm": 30.42}
+PAPER_RATIO_RANGES = {"orca_oracle": (1.7, 2.7), "orca_max": (2.7, 8.0)}
+# The curve's rates, as fractions of each system's knee found by the quick search.
+CURVE_FRACTIONS = (0.2, 0.4, 0.6, 0.75, 0.9, 1.0, 1.1, 1.25)
+DEFAULT_THRESHOLD = 0.2  # s/token: about 5x an unloaded OPT-13B request's normalized latency
+SEARCH_REQUESTS = 200
+
+
+@dataclass(frozen=True)
+class Setting:
+    gpu: str = "a100-40gb"
+    model: str = "opt-13b"
+    dataset: str = "sharegpt"
+    block_size: int = 16
+    memory_bytes: int | None = None  # override the GPU's memory (a dial)
+    max_num_seqs: int = MAX_NUM_SEQS
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    seed: int = 0
+
+    def max_len(self) -> int:
+        return min(get_model(self.model).max_len, 2048) if self.model.startswith("opt") else get_model(self.model).max_len
+
+
+# the learner's parts, set per process (a worker inherits them when it is forked)
+_PARTS: dict[str, Any] = {}
+
+
+def _simulate(setting: Setting, system: str, rate: float, n: int, seed: int) -> SimResult:
+    plan = memory_plan(setting.gpu, setting.model, setting.memory_bytes,
+                       max_num_batched_tokens=setting.max_num_batched_tokens, max_num_seqs=setting.max_num_seqs)
+    max_len = setting.max_len()
+    reqs = sample_lengths(setting.dataset, n, max_len=max_len, seed=seed)
+    arr = poisson_arrivals(n, rate, seed=seed)
+    sched = build_scheduler(system, plan.kv_tokens, setting.block_size, max_len, setting.max_num_seqs,
+                            setting.max_num_batched_tokens, **_PARTS)
+    return serve(sched, reqs, arr, StepCostModel(setting.gpu, setting.model, DEFAULT_CALIBRATION), system, rate)
+
+
+def find_knee(setting: Setting, system: str, threshold: float = DEFAULT_THRESHOLD, n: int = SEARCH_REQUESTS) -> float:
+    """Roughly the most requests per second ``system`` serves: ``n`` requests arrive at once and
+    the rate at which they complete (output tokens per second / mean output length) is read
+    off. It only places the curve's rates; ``max_rate`` itself comes from the curve."""
+    r = _simulate(setting, system, 1e6, n, setting.seed + 1)
+    mean_out = sum(o for _, o in sample_lengths(setting.dataset, n, setting.max_len(), setting.seed + 1)) / n
+    return r.throughput_tokens / mean_out
+
+
+def max_rate_from_curve(curve: list[dict], threshold: float) -> float:
+    """The rate where the curve's normalized latency reaches ``threshold``: log-linear
+    interpolation between the last point at or below it and the next point (0.0 when even the
+    lowest rate is above; the highest rate when none is)."""
+    pts = sorted(curve, key=lambda c: c["rate"])
+    below = [i for i, c in enumerate(pts) if c["normalized_latency"] <= threshold]
+    if not below:
+        return 0.0
+    i = below[-1]
+    if i + 1 >= len(pts):
+        return pts[i]["rate"]
+    (r0, l0), (r1, l1) = (pts[i]["rate"], pts[i]["normalized_latency"]), (pts[i + 1]["rate"], pts[i + 1]["normalized_latency"])
+    f = (math.log(threshold) - math.log(l0)) / (math.log(l1) - math.log(l0)) if l1 > l0 else 1.0
+    return r0 + f * (r1 - r0)
+
+
+def _task(args: tuple) -> tuple:
+    kind, setting, system, rate, n, seed, threshold = args
+    if kind == "knee":
+        return kind, system, find_knee(setting, system, threshold)
+    return kind, system, _simulate(setting, system, rate, n, seed)
+
+
+def _pool_map(fn, tasks: list, workers: int, on_result=None) -> list:
+    if workers <= 1 or len(tasks) <= 1:
+        out = []
+        for t in tasks:
+            out.append(fn(t))
+            if on_result:
+                on_result(out[-1], t)
+        return out
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+    out = []
+    with ctx.Pool(workers) as pool:
+        # the slowest tasks first, so the two workers finish together
+        for res, t in zip(pool.imap(fn, tasks), tasks):
+            out.append(res)
+            if on_result:
+                on_result(res, t)
+    return out
+
+
+def reproduce(gpu: str = "a100-40gb", model: str = "opt-13b", dataset: str = "sharegpt",
+              systems: Iterable[str] = tuple(SYSTEMS), num_requests: int = 10_000, fig13_rate: float | None = None,
+              threshold: float = DEFAULT_THRESHOLD, block_size: int = 16, memory_gb: float | None = None,
+              seed: int = 0, workers: int | None = None, progress: bool = True, parts: dict | None = None) -> dict:
+    """Figs. 12 and 13 for one GPU, model and dataset: the JSON ``minipaged bench paper`` writes.
+
+    ``num_requests`` is simulated *per system*: spread over the curve's rates and the Fig. 13
+    run (the knee search's short runs come on top). ``parts`` (``allocator_cls``,
+    ``block_table_cls``, ``scheduler_cls``) replaces minipaged's own parts with yours.
+    """
+    t0 = time.time()
+    systems = list(systems)
+    for s in systems:
+        if s not in SYSTEMS:
+            raise ValueError(f"unknown system {s!r}. Known: {', '.join(SYSTEMS)}")
+    g, m, d = get_gpu(gpu), get_model(model), get_dataset(dataset)
+    setting = Setting(g.name, m.name, d.name, block_size, None if memory_gb is None else int(memory_gb * (1 << 30)),
+                      seed=seed)
+    plan = memory_plan(g, m, setting.memory_bytes)  # a clear error now if the model does not fit
+    if plan.kv_tokens < setting.max_len():
+        raise ValueError(f"the KV cache holds {plan.kv_tokens} tokens, less than one {setting.max_len()}-token sequence "
+                         f"of {m.name}: the reservation baselines could not run one request; pick more memory")
+    fig13_rate = d.fig13_rate if fig13_rate is None else fig13_rate
+    workers = min(2, os.cpu_count() or 1) if workers is None else workers
+    _PARTS.clear()
+    _PARTS.update(parts or {})
+    per_point = max(1, num_requests // (len(CURVE_FRACTIONS) + 1))
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(systems) * (1 + per_point * (len(CURVE_FRACTIONS) + 1)), unit="req",
+                   desc=f"simulating {m.name} on {g.name}, {d.name}")
+    tick = (lambda res, t: bar.update(1 if res[0] == "knee" else t[4])) if bar else None
+    knees = {s: k for _, s, k in _pool_map(_task, [("knee", setting, s, 0, 0, 0, threshold) for s in systems],
+                                              workers, tick)}
+    tasks = []
+    for s in systems:
+        for i, f in enumerate(CURVE_FRACTIONS):
+            tasks.append(("point", setting, s, knees[s] * f, per_point, seed + 100 + i, threshold))
+        tasks.append(("fig13", setting, s, fig13_rate, per_point, seed + 99, threshold))
+    tasks.sort(key=lambda t: -t[3] if t[2] != "fastertransformer" else 0)  # long runs first
+    results = _pool_map(_task, tasks, workers, tick)
+    if bar:
+        bar.close()
+
+    out: dict[str, Any] = {"systems": {}}
+    for s in systems:
+        curve = sorted(({"rate": r.rate, "normalized_latency": r.normalized_latency,
+                         "mean_batched_requests": r.mean_batched_requests, "throughput_tokens": r.throughput_tokens,
+                         "preemptions": r.num_preemptions, "num_requests": r.num_requests}
+                        for kind, name, r in results if kind == "point" and name == s), key=lambda c: c["rate"])
+        f13 = next(r for kind, name, r in results if kind == "fig13" and name == s)
+        out["systems"][s] = {
+            "label": SYSTEMS[s].label,
+            "max_rate": max_rate_from_curve(curve, threshold),
+            "mean_batched_requests": f13.mean_batched_requests,
+            "fig13_normalized_latency": f13.normalized_latency,
+            "knee_search": knees[s],
+            "requests_simulated": sum(c["num_requests"] for c in curve) + f13.num_requests,
+            "curve": curve,
+        }
+    vllm = out["systems"].get("vllm")
+    if vllm:
+        out["ratios"] = {f"vllm_over_{s}": (vllm["max_rate"] / v["max_rate"] if v["max_rate"] else float("inf"))
+                         for s, v in out["systems"].items() if s != "vllm"}
+    out["settings"] = {
+        "gpu": g.name, "model": m.name, "dataset": d.name, "fig13_rate": fig13_rate, "latency_threshold": threshold,
+        "block_size": block_size, "max_num_seqs": setting.max_num_seqs,
+        "max_num_batched_tokens": setting.max_num_batched_tokens, "max_len": setting.max_len(), "seed": seed,
+        "requests_per_point": per_point, "curve_fractions_of_knee": list(CURVE_FRACTIONS),
+        "memory_plan": plan.__dict__, "calibration": DEFAULT_CALIBRATION.__dict__,
+        "lengths": {"input": d.input.__dict__, "output": d.output.__dict__, "distribution": "log-normal, clipped"},
+        "parts": {k: getattr(v, "__name__", str(v)) for k, v in (parts or {}).items()},
+        "wall_seconds": round(time.time() - t0, 1),
+    }
+    if (g.name, m.name, d.name) == ("a100-40gb", "opt-13b", "sharegpt"):
+        out["paper"] = {"fig13_mean_batched_requests": PAPER_FIG13_SHAREGPT,
+                        "vllm_max_rate_over": {k: list(v) for k, v in PAPER_RATIO_RANGES.items()}}
+        out["checks"] = paper_checks(out)
+    return out
+
+
+def paper_checks(res: dict) -> dict:
+    """Each of the issue's reproduction criteria: the figure, the target and whether it holds."""
+    checks = {}
+    sy = res["systems"]
+    for s, want in PAPER_FIG13_SHAREGPT.items():
+        if s in sy:
+            got = sy[s]["mean_batched_requests"]
+            checks[f"fig13_{s}"] = {"got": got, "paper": want, "within_25pct": abs(got - want) <= 0.25 * want}
+    for s, (lo, hi) in PAPER_RATIO_RANGES.items():
+        key = f"vllm_over_{s}"
+        if key in res.get("ratios", {}):
+            got = res["ratios"][key]
+            checks[key] = {"got": got, "paper": [lo, hi], "holds": lo <= got <= hi}
+    return checks
+
+
+def format_table(res: dict) -> str:
+    st = res["settings"]
+    rows = [f"{st['model']} on {st['gpu']}, {st['dataset']}: KV room {st['memory_plan']['kv_tokens']:,} tokens; "
+            f"max_rate = highest rate with normalized latency <= {st['latency_threshold']} s/token; "
+            f"batched requests at {st['fig13_rate']:g} req/s",
+            f"{'system':<18} {'max_rate':>9} {'vLLM gain':>10} {'batched':>8} {'paper':>7}"]
+    v = res["systems"].get("vllm", {}).get("max_rate")
+    paper = res.get("paper", {}).get("fig13_mean_batched_requests", {})
+    for s, r in res["systems"].items():
+        gain = f"{v / r['max_rate']:.2f}x" if v and r["max_rate"] else "-"
+        rows.append(f"{r['label']:<18} {r['max_rate']:>9.3f} {gain:>10} {r['mean_batched_requests']:>8.2f} "
+                    f"{paper.get(s, float('nan')):>7.2f}")
+    for k, c in res.get("checks", {}).items():
+        ok = c.get("within_25pct", c.get("holds"))
+        rows.append(f"  {'OK ' if ok else 'OFF'} {k}: {c['got']:.2f} (paper {c['paper']})")
+    return "\n".join(rows)
+
+
+def plot(res: dict, path: str | Path | None = None):
+    """Fig. 12 (normalized latency against rate, one line per system) beside Fig. 13 (mean
+    batched requests at the Fig. 13 rate, with the paper's bars where it gives them)."""
+    import matplotlib
+
+    if path is not None:
+        matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    st = res["settings"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    for s, r in res["systems"].items():
+        xs = [c["rate"] for c in r["curve"]]
+        ys = [c["normalized_latency"] for c in r["curve"]]
+        a.plot(xs, ys, marker="o", label=r["label"])
+    a.axhline(st["latency_threshold"], color="grey", lw=0.8, ls="--")
+    a.set_ylim(0, max(1.0, 2 * st["latency_threshold"]))
+    a.set_xlabel("request rate (req/s)")
+    a.set_ylabel("normalized latency (s/token)")
+    a.set_title(f"{st['model']}, {st['gpu']}, {st['dataset']} (simulated)")
+    a.legend(fontsize=8)
+    names = list(res["systems"])
+    got = [res["systems"][s]["mean_batched_requests"] for s in names]
+    paper = res.get("paper", {}).get("fig13_mean_batched_requests", {})
+    xs = range(len(names))
+    b.bar([x - 0.2 for x in xs], got, width=0.4, label="simulated")
+    if paper:
+        b.bar([x + 0.2 for x in xs], [paper.get(s, 0) for s in names], width=0.4, label="paper (Fig. 13a)")
+    b.set_xticks(list(xs), [res["systems"][s]["label"].replace(" (", "\n(") for s in names], fontsize=8)
+    b.set_ylabel(f"mean batched requests at {st['fig13_rate']:g} req/s")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return fig
+
+
+def readme_block(res: dict, plot_path: str = "docs/figures/paper_sharegpt.png") -> str:
+    """The README's "Where PagedAttention pays" table, from a result of :func:`reproduce`."""
+    st = res["settings"]
+    paper = res.get("paper", {}).get("fig13_mean_batched_requests", {})
+    lines = [f"Simulated {st['model']} on {st['gpu']}, {st['dataset']} lengths, Poisson arrivals, the real `Scheduler` "
+             f"and `BlockAllocator` on the simulated clock ({st['requests_per_point'] * (len(st['curve_fractions_of_knee']) + 1):,} "
+             f"requests per system; `minipaged bench paper`, {st['wall_seconds']:.0f} s here):", "",
+             f"| system | max rate (req/s, latency <= {st['latency_threshold']} s/token) | vLLM's gain | "
+             f"batched requests at {st['fig13_rate']:g} req/s | paper (Fig. 13a) |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    v = res["systems"]["vllm"]["max_rate"] if "vllm" in res["systems"] else None
+    for s, r in res["systems"].items():
+        gain = f"{v / r['max_rate']:.1f}x" if v and r["max_rate"] and s != "vllm" else "-"
+        p = f"{paper[s]:.2f}" if s in paper else "-"
+        lines.append(f"| {r['label']} | {r['max_rate']:.3f} | {gain} | {r['mean_batched_requests']:.2f} | {p} |")
+    lines += ["", f"![normalized latency against request rate, and batched requests]({plot_path})"]
+    return "\n".join(lines)
+
+
+def update_readme(res: dict, readme: str | Path, plot_path: str = "docs/figures/paper_sharegpt.png") -> bool:
+    """Rewrite the text between ``<!-- paper:begin -->`` and ``<!-- paper:end -->`` in ``readme``."""
+    p = Path(readme)
+    text = p.read_text(encoding="utf-8")
+    b, e = "<!-- paper:begin -->", "<!-- paper:end -->"
+    if b not in text or e not in text:
+        return False
+    head, rest = text.split(b, 1)
+    _, tail = rest.split(e, 1)
+    p.write_text(head + b + "\n" + readme_block(res, plot_path) + "\n" + e + tail, encoding="utf-8")
+    return True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .datasets import DATASETS
+    from .specs import GPUS, MODELS
+
+    p.add_argument("--gpu", default="a100-40gb", help=f"one of {', '.join(GPUS)}")
+    p.add_argument("--model", default="opt-13b", help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--dataset", default="sharegpt", help=f"one of {', '.join(DATASETS)}")
+    p.add_argument("--fig13-rate", type=float, default=None, help="req/s for the batched-requests figure "
+                   "(default: the paper's, 2 for ShareGPT and 30 for Alpaca)")
+    p.add_argument("--num-requests", type=int, default=10_000, help="requests simulated per system (default 10000)")
+    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="normalized latency (s/token) "
+                   "a sustained rate stays under")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--memory-gb", type=float, default=None, help="give the GPU this much memory (GiB) instead")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS))
+    p.add_argument("--workers", type=int, default=None, help="processes (default: 2, or 1 on a 1-core machine)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write the result here")
+    p.add_argument("--plot", type=Path, default=None, help="draw Figs. 12 and 13 here (PNG)")
+    p.add_argument("--readme", type=Path, default=None, help="rewrite this README's paper block from the result")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_cli(a: argparse.Namespace) -> int:
+    res = reproduce(a.gpu, a.model, a.dataset, [s.strip() for s in a.systems.split(",") if s.strip()],
+                    a.num_requests, a.fig13_rate, a.threshold, a.block_size, a.memory_gb, a.seed, a.workers,
+                    not a.no_progress)
+    print(format_table(res))
+    if a.plot:
+        plot(res, a.plot)
+        print(f"wrote {a.plot}")
+    if a.readme:
+        rel = a.plot.as_posix() if a.plot else "docs/figures/paper_sharegpt.png"
+        print(f"{'updated' if update_readme(res, a.readme, rel) else 'no paper markers in'} {a.readme}")
+    from .. import save_run
+
+    save_run(res, a)
+    return 0
+
+
+run = run_cli  # the bench CLI calls ``run(args)``

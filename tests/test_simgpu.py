@@ -1,0 +1,252 @@
+"""The simulated GPU: the cost model's arithmetic, each reservation policy, and learner-style
+parts driving the simulation to the same result as minipaged's own."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from minipaged.bench.gpu.cost import Calibration, StepCostModel, activation_reserve_bytes, memory_plan
+from minipaged.bench.gpu.datasets import poisson_arrivals, sample_lengths
+from minipaged.bench.gpu.paper import format_table, max_rate_from_curve, paper_checks, readme_block
+from minipaged.bench.gpu.policies import ContiguousSpans, Reservation, ReservingScheduler, next_pow2
+from minipaged.bench.gpu.simulator import build_scheduler, run
+from minipaged.bench.gpu.specs import GPUS, MODELS, get_gpu, get_model
+from minipaged.sequence import Sequence
+
+NO_OVERHEAD = Calibration(bandwidth_efficiency=1.0, compute_efficiency=1.0, step_overhead_s=0.0, seq_overhead_s=0.0)
+
+
+# -- specs and memory --------------------------------------------------------------------------
+def test_every_spec_table_entry_has_a_source_and_a_shape_that_matches_its_parameter_count():
+    assert {"a100-40gb", "a100-80gb", "h100-sxm", "h200", "l4", "t4"} <= set(GPUS)
+    assert {"opt-13b", "llama-2-7b", "llama-2-13b", "smollm2-135m"} <= set(MODELS)
+    for g in GPUS.values():
+        assert "datasheet" in g.source and g.bandwidth > 1e11 and g.peak_flops > 1e13
+    for m in MODELS.values():
+        assert m.source
+        assert abs(m.shape_params() / m.num_params - 1) < 0.01, m.name
+
+
+def test_kv_bytes_per_token_is_two_x_layers_x_kv_heads_x_head_dim_x_dtype():
+    assert get_model("opt-13b").kv_bytes_per_token == 2 * 40 * 40 * 128 * 2 == 819_200  # the paper's "800 KB"
+    assert get_model("smollm2-135m").kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+
+
+def test_memory_plan_subtracts_weights_and_activations_from_usable_memory():
+    p = memory_plan("a100-40gb", "opt-13b")
+    assert p.usable_bytes == int(40 * 2**30 * 0.9)
+    assert p.weight_bytes == 12_853_000_000 * 2
+    assert p.activation_bytes == activation_reserve_bytes(get_model("opt-13b"))
+    assert p.kv_bytes == p.usable_bytes - p.weight_bytes - p.activation_bytes
+    assert p.kv_tokens == p.kv_bytes // 819_200
+    assert abs(p.kv_tokens - 15_700) / 15_700 < 0.03  # the paper's Table 1: 15.7K KV slots for OPT-13B
+
+
+def test_unknown_names_list_the_known_ones_and_a_model_that_does_not_fit_says_by_how_much():
+    with pytest.raises(ValueError, match="a100-40gb"):
+        get_gpu("a100-40")
+    with pytest.raises(ValueError, match="opt-13b"):
+        get_model("opt13")
+    with pytest.raises(ValueError, match=r"llama-2-13b does not fit on t4: .*GB of weights"):
+        memory_plan("t4", "llama-2-13b")
+
+
+# -- step time ---------------------------------------------------------------------------------
+def test_a_decode_step_is_weights_plus_context_over_bandwidth_when_memory_bound():
+    m = StepCostModel("a100-40gb", "opt-13b", NO_OVERHEAD)
+    model = get_model("opt-13b")
+    c = m.cost([(99, 1)])  # one sequence, context 100 after the step
+    want_bytes = model.weight_bytes_read_per_step + (100 + 1) * model.kv_bytes_per_token
+    assert c.bytes_moved == want_bytes
+    assert c.bound == "memory"
+    assert c.seconds == pytest.approx(want_bytes / 1555e9)
+
+
+def test_attention_cost_grows_with_the_context_read():
+    m = StepCostModel("a100-40gb", "opt-13b")
+    t = [m.decode_time(32, ctx) for ctx in (16, 256, 1024, 2048)]
+    assert t == sorted(t) and t[-1] > t[0] * 1.3
+    kv = get_model("opt-13b").kv_bytes_per_token
+    assert m.cost([(1023, 1)] * 32).bytes_moved - m.cost([(15, 1)] * 32).bytes_moved == 32 * (1024 - 16) * kv
+
+
+def test_a_long_prefill_is_compute_bound_and_counts_causal_pairs_exactly():
+    m = StepCostModel("a100-40gb", "opt-13b", NO_OVERHEAD)
+    c = m.cost([(0, 2048)])
+    assert c.bound == "compute"
+    model = get_model("opt-13b")
+    pairs = 2048 * 2049 // 2
+    want = 2 * m.body_params * 2048 + 2 * model.vocab_size * model.hidden_size + 4 * 40 * 40 * 128 * pairs
+    assert c.flops == want
+    # a chunk that starts past a cached prefix sees the prefix too
+    assert m.cost([(100, 10)]).flops - m.cost([(0, 10)]).flops == 4 * 40 * 40 * 128 * 100 * 10
+
+
+def test_overheads_add_per_step_and_per_sequence():
+    cal = Calibration(1.0, 1.0, step_overhead_s=0.01, seq_overhead_s=0.001)
+    base = StepCostModel("a100-40gb", "opt-13b", NO_OVERHEAD)
+    m = StepCostModel("a100-40gb", "opt-13b", cal)
+    step = [(10, 1)] * 5
+    assert m.step_time(step) == pytest.approx(base.step_time(step) + 0.01 + 5 * 0.001)
+    assert m.step_time([]) == 0.0
+
+
+# -- datasets ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,inp,out", [("sharegpt", 161.31, 337.99), ("alpaca", 19.31, 58.45)])
+def test_synthesized_lengths_have_the_papers_means_and_fit_the_context(name, inp, out):
+    r = sample_lengths(name, 20_000, max_len=2048, seed=3)
+    p = sum(a for a, _ in r) / len(r)
+    o = sum(b for _, b in r) / len(r)
+    assert abs(p - inp) / inp < 0.03 and abs(o - out) / out < 0.03
+    assert all(a >= 1 and b >= 1 and a + b <= 2048 for a, b in r)
+
+
+def test_poisson_arrivals_have_the_asked_rate():
+    a = poisson_arrivals(20_000, 4.0, seed=1)
+    assert a == sorted(a)
+    assert abs(len(a) / a[-1] - 4.0) < 0.1
+    with pytest.raises(ValueError):
+        poisson_arrivals(3, 0)
+
+
+# -- reservation policies ----------------------------------------------------------------------
+def test_each_reservation_policy_reserves_what_the_paper_says():
+    assert [next_pow2(n) for n in (1, 2, 3, 25, 32, 33)] == [1, 2, 4, 32, 32, 64]
+    assert Reservation("max").tokens(100, 25, 2048) == 2048
+    assert Reservation("pow2").tokens(100, 25, 2048) == 132  # the paper's example: 25 -> 32 positions
+    assert Reservation("pow2").tokens(1500, 1000, 2048) == 2048  # never past the model's context
+    assert Reservation("oracle").tokens(100, 25, 2048) == 125
+    with pytest.raises(ValueError):
+        Reservation("half").tokens(1, 1, 8)
+
+
+def test_contiguous_spans_leave_holes_a_larger_request_cannot_use():
+    s = ContiguousSpans(100)
+    a, b, c = s.place(30), s.place(30), s.place(30)
+    assert (a, b, c) == (0, 30, 60)
+    s.release(a, 30)
+    s.release(c, 30)  # 30 + 40 free, but not side by side
+    assert s.place(50) is None and s.largest_hole == 40
+    s.release(b, 30)  # now it merges into one
+    assert s.free == [[0, 100]] and s.place(100) == 0
+
+
+def _reserving(kind, capacity=1000, static=False):
+    return build_scheduler({"max": "orca_max", "pow2": "orca_pow2", "oracle": "orca_oracle"}[kind] if not static
+                           else "fastertransformer", capacity, block_size=16, max_len=512)
+
+
+@pytest.mark.parametrize("kind,fits", [("max", 2), ("pow2", 4), ("oracle", 4)])
+def test_a_reserving_scheduler_admits_only_what_its_reservations_fit(kind, fits):
+    # 1,100 slots; each request: prompt 200, output 60 -> max reserves 512, pow2 264, oracle 260
+    sched = _reserving(kind, capacity=1100)
+    seqs = [Sequence(i, [0] * 200, max_tokens=60, ignore_eos=True) for i in range(6)]
+    for s in seqs:
+        assert sched.add_request(s)
+    out = sched.schedule()
+    assert len(out.scheduled) == len(sched.running) == fits
+    assert sched.reserved_tokens == sum(sched.reservation_of(s) for s in sched.running)
+    assert sched.reserved_tokens <= 1100
+
+
+def test_a_reservation_is_returned_when_its_request_finishes_and_the_next_one_goes_in():
+    sched = _reserving("oracle", capacity=300)
+    a = Sequence("a", [0] * 100, max_tokens=3, ignore_eos=True)
+    b = Sequence("b", [0] * 100, max_tokens=150, ignore_eos=True)
+    assert sched.add_request(a) and sched.add_request(b)
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == ["a"]  # b's 250 does not fit beside a's 103
+    for _ in range(3):
+        sched.update(out, {s.seq.seq_id: 1 for s in out.scheduled if s.samples})
+        out = sched.schedule()
+    assert a.is_finished and [s.seq.seq_id for s in out.scheduled] == ["b"]
+    assert sched.reserved == {"b": 250}
+
+
+def test_static_batching_waits_for_the_whole_batch_to_finish():
+    sched = build_scheduler("fastertransformer", 2 * 512, block_size=16, max_len=512)
+    seqs = [Sequence(i, [0] * 10, max_tokens=o, ignore_eos=True) for i, o in enumerate((2, 8, 2))]
+    for s in seqs:
+        sched.add_request(s)
+    ran = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        ran.append(sorted(s.seq.seq_id for s in out.scheduled))
+        sched.update(out, {s.seq.seq_id: 1 for s in out.scheduled if s.samples})
+    assert 2 not in {i for step in ran[:8] for i in step}  # request 2 waits for 0 and 1 both
+    assert ran[8] == [2]
+
+
+def test_a_request_whose_reservation_exceeds_the_cache_is_rejected_with_the_numbers():
+    sched = build_scheduler("orca_max", 1000, block_size=16, max_len=2048)
+    s = Sequence(0, [0] * 10, max_tokens=10, ignore_eos=True)
+    assert not sched.add_request(s)
+    assert "2048" in s.reject_reason and "1000" in s.reject_reason
+
+
+# -- the simulation ----------------------------------------------------------------------------
+def _small_run(system, rate=4.0, n=80, kv_tokens=2000, **parts):
+    reqs = sample_lengths("sharegpt", n, max_len=512, seed=5)
+    arr = poisson_arrivals(n, rate, seed=5)
+    sched = build_scheduler(system, kv_tokens, block_size=16, max_len=512, **parts)
+    return run(sched, reqs, arr, StepCostModel("a100-40gb", "opt-13b"), system, rate, keep_batches=True)
+
+
+def test_paging_batches_more_requests_than_any_reservation_under_load():
+    res = {s: _small_run(s, rate=20.0) for s in ("vllm", "orca_oracle", "orca_pow2", "orca_max")}
+    b = {s: r.mean_batched_requests for s, r in res.items()}
+    assert b["vllm"] > b["orca_oracle"] > b["orca_max"] and b["orca_pow2"] > b["orca_max"]
+    assert b["orca_max"] <= 2000 // 512 + 1e-9  # max reservation: at most capacity // max_len at once
+    assert all(r.num_requests == 80 and r.rejected == 0 for r in res.values())
+    assert res["vllm"].normalized_latency < res["orca_max"].normalized_latency
+
+
+def test_latency_rises_with_the_request_rate():
+    lo, hi = _small_run("vllm", rate=0.5), _small_run("vllm", rate=50.0)
+    assert hi.normalized_latency > 2 * lo.normalized_latency
+    assert hi.mean_batched_requests > lo.mean_batched_requests
+
+
+def test_learner_style_lean_parts_drive_the_simulation_to_the_reference_result():
+    lean = pytest.importorskip("test_contracts")
+    pool = {"allocator_cls": lean.LeanAllocator, "block_table_cls": lean.LeanTable}
+    trio = {**pool, "scheduler_cls": lean.LeanScheduler}
+    # (system, rate, parts): under load vLLM preempts, which the workbook's lean scheduler
+    # does not cover, so there the lean pool and table run under minipaged's scheduler
+    for system, rate, kv, parts in (("vllm", 6.0, 2000, pool), ("vllm", 6.0, 40_000, trio),
+                                    ("orca_oracle", 6.0, 2000, trio), ("fastertransformer", 1.0, 2000, trio)):
+        ref = _small_run(system, rate=rate, kv_tokens=kv)
+        got = _small_run(system, rate=rate, kv_tokens=kv, **parts)
+        assert got.batch_sizes == ref.batch_sizes, (system, rate)
+        assert got.normalized_latency == pytest.approx(ref.normalized_latency)
+        assert got.num_preemptions == ref.num_preemptions
+        if parts is trio and system == "vllm":
+            assert ref.num_preemptions == 0
+        if parts is pool:
+            assert ref.num_preemptions > 0  # the comparison covers recompute after preemption
+
+
+# -- the paper runner's bookkeeping ------------------------------------------------------------
+def test_max_rate_interpolates_where_the_curve_crosses_the_threshold():
+    curve = [{"rate": 1.0, "normalized_latency": 0.05}, {"rate": 2.0, "normalized_latency": 0.1},
+             {"rate": 3.0, "normalized_latency": 0.4}]
+    assert max_rate_from_curve(curve, 0.2) == pytest.approx(2.5)
+    assert max_rate_from_curve(curve, 1.0) == 3.0
+    assert max_rate_from_curve(curve, 0.01) == 0.0
+
+
+def test_paper_checks_and_tables_read_the_result():
+    res = {"systems": {s: {"label": s, "max_rate": r, "mean_batched_requests": b, "curve": []}
+                       for s, r, b in (("orca_max", 0.5, 7.1), ("orca_oracle", 1.0, 20.0), ("vllm", 2.0, 30.0))},
+           "ratios": {"vllm_over_orca_max": 4.0, "vllm_over_orca_oracle": 2.0},
+           "settings": {"gpu": "a100-40gb", "model": "opt-13b", "dataset": "sharegpt", "fig13_rate": 2.0,
+                        "latency_threshold": 0.2, "memory_plan": {"kv_tokens": 15455}, "requests_per_point": 10,
+                        "curve_fractions_of_knee": [1, 2], "wall_seconds": 1.0}}
+    c = paper_checks(res)
+    assert c["fig13_orca_max"]["within_25pct"] and not c["fig13_orca_oracle"]["within_25pct"]
+    assert c["vllm_over_orca_max"]["holds"] and c["vllm_over_orca_oracle"]["holds"]
+    assert "| orca_max | 0.500 | 4.0x | 7.10 | - |" in readme_block(res)
+    assert "| orca_max | 0.500 | 4.0x | 7.10 | 7.00 |" in readme_block(
+        {**res, "paper": {"fig13_mean_batched_requests": {"orca_max": 7.0}}})
+    assert "4.00x" in format_table(res)
