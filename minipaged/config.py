@@ -37,6 +37,9 @@ class EngineConfig:
     # True: on, refused for a scheduler that does not declare it; False: off
     enable_prefix_caching: bool | None = None
     record_trace: bool = True
+    # Tensor parallelism (minipaged/distributed.py): the model's heads and MLP columns split over
+    # this many processes joined by torch.distributed; one scheduler on the driver.
+    tensor_parallel_size: int = 1
     # -- speed: every fast path is chosen once, per engine, by minipaged/cpu/executor.py ----------
     # The master switch. False: the plain PyTorch model and the chosen attention backend only
     # (the route the lessons teach). Default from $MINIPAGED_FAST_PATHS (0 turns it off).
@@ -76,6 +79,7 @@ class EngineConfig:
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("max_model_len", self.max_model_len, allow_none=True)
+        positive_int("tensor_parallel_size", self.tensor_parallel_size)
         for name in ("enable_chunked_prefill", "record_trace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -185,7 +185,13 @@ class LLMEngine:
             )
         config = config.replace(max_model_len=config.max_model_len or positions,
                                 enable_prefix_caching=resolve_prefix_caching(config.enable_prefix_caching, parts.scheduler_cls))
-        num_blocks = plan_num_blocks(config, mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
+        kv_heads = mcfg.num_kv_heads  # each rank's share of them, with tensor parallelism
+        if config.tensor_parallel_size > 1:
+            from .distributed import kv_heads_per_rank
+
+            kv_heads = kv_heads_per_rank(mcfg.num_heads, mcfg.num_kv_heads, mcfg.intermediate_size,
+                                         config.tensor_parallel_size)
+        num_blocks = plan_num_blocks(config, mcfg.num_layers, kv_heads, mcfg.head_dim,
                                      config.max_model_len, self.dtype, self.device)
         self.config, self.parts = config, parts
 
@@ -212,10 +218,15 @@ class LLMEngine:
         check_part(parts.block_table_cls(self.allocator), BlockTableProtocol, "block table")
         self.scheduler = parts.scheduler_cls(self.allocator, parts.block_table_cls, config)
         check_part(self.scheduler, SchedulerProtocol, "scheduler")
-        self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
+        self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, kv_heads, mcfg.head_dim, self.dtype, self.device)
         # the one decision about speed: which implementation runs each stage (engine.plan), made
         # here, once, from the config; the executor owns every copy a fast path needs
-        self.executor = make_executor(config, self.model, self.device, parts.attention, self.kv_cache)
+        if config.tensor_parallel_size > 1:  # one scheduler here, the model's shards in N processes
+            from .distributed import TensorParallelExecutor
+
+            self.executor = TensorParallelExecutor(config, self.model, self.device, parts.attention, self.kv_cache)
+        else:
+            self.executor = make_executor(config, self.model, self.device, parts.attention, self.kv_cache)
         self.runner = ModelRunner(self.device)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}  # unfinished requests (finished ones are pruned)
@@ -248,12 +259,20 @@ class LLMEngine:
         """The attention backend every layer of every step calls (its name is what runs)."""
         return self.executor.backend
 
+    def shutdown(self) -> None:
+        """Stop what the engine started outside this process (tensor-parallel workers); idempotent."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
+
     def rebuild_executor(self) -> Plan:
         """After changing the model's weights or modules: plan again and drop every copy the old
         plan made (GGUF blocks that no longer match are refused, packs remade). The KV cache and
         the requests stay; cached prefixes computed with the old weights are not reused wrongly
         only if you also reset the prefix cache."""
         with self._guard:
+            if self.config.tensor_parallel_size > 1:
+                raise NotImplementedError("with tensor_parallel_size > 1, build a new engine after changing the weights")
             self.executor = make_executor(self.config, self.model, self.device, self.parts.attention, self.kv_cache)
             return self.executor.plan
 
@@ -479,10 +498,8 @@ class LLMEngine:
                             f"{self.allocator.num_free_blocks} free blocks. A scheduler must make progress every step."
                         )
                     return outputs
-                if out.blocks_to_copy:
-                    from .prefix_cache import copy_blocks
-
-                    copy_blocks(self.kv_cache, out.blocks_to_copy)  # copy-on-write, before this step writes K/V
+                if out.blocks_to_copy:  # copy-on-write, before this step writes K/V
+                    self.executor.copy_blocks(out.blocks_to_copy)
                 inputs = self.runner.prepare(out)
                 hidden = self.executor.forward(inputs.input_ids, inputs.positions, inputs.meta)
                 sampled: dict = {}

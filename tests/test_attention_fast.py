@@ -1,11 +1,12 @@
-"""The engine's PyTorch path (torch_sdpa.py) gives the oracle's answer on every kind of batch.
+"""The engine's attention backends give the oracle's answer on every kind of batch.
 
 Every shape the reference tests use (GQA, block sizes 1/16/64, lengths on and off block
 boundaries, decode + prefill + chunked prefill, no decode at all), both prefill strategies
 (one padded call, one call per sequence), decodes first (``num_decodes`` given) or scattered
-(``num_decodes=None``), and the batching contract itself: one SDPA call for all decodes.
-Every test runs twice: decodes through the C kernel that reads pages in place (cpu_kernels.py),
-and through the padded-gather SDPA path that replaces it where it cannot be built.
+(``num_decodes=None``), and the batching contract itself: one call for all decodes.
+Every test runs twice: through the "cpu" backend (cpu/attention.py: decodes, and prefills over
+short contexts, through the C kernel that reads pages in place), and through the pure PyTorch
+"torch" backend (attention/torch_sdpa.py: a padded gather and SDPA).
 """
 from __future__ import annotations
 
@@ -15,20 +16,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.attention import REFERENCE, TORCH, get_backend
-from minipaged.attention import cpu_kernels, torch_sdpa
+from minipaged.attention import torch_sdpa
 from minipaged.attention.reference import paged_attention as reference
-from minipaged.attention.torch_sdpa import paged_attention as fast
+from minipaged.cpu import build, kernels
 from test_attention_reference import assert_attention_close, make_case, sdpa_oracle
+
+_IMPL: list = [torch_sdpa.paged_attention]  # the implementation under test (set per test below)
+
+
+def fast(*args, **kwargs):
+    return _IMPL[0](*args, **kwargs)
 
 
 @pytest.fixture(autouse=True, params=["c_kernel", "sdpa"])
-def decode_path(request, monkeypatch):
+def decode_path(request):
     if request.param == "c_kernel":
-        if not cpu_kernels.available():
-            pytest.skip(f"the CPU decode kernel cannot be built here: {cpu_kernels.why_not()}")
+        if build.library() is None:
+            pytest.skip(f"the CPU decode kernel cannot be built here: {build.info()['why_not']}")
+        from minipaged.cpu.attention import CPUAttention
+
+        _IMPL[0] = CPUAttention().paged_attention
     else:
-        monkeypatch.setattr(cpu_kernels, "applies", lambda *a: False)
-    return request.param
+        _IMPL[0] = torch_sdpa.paged_attention
+    yield request.param
+    _IMPL[0] = torch_sdpa.paged_attention
 
 
 def edge_lengths(bs: int) -> list[int]:
@@ -114,13 +125,13 @@ def _count_sdpa_calls(monkeypatch) -> list:
 
 def _count_kernel_calls(monkeypatch) -> list:
     calls = []
-    real = cpu_kernels.paged_decode
+    real = kernels.paged_decode
 
     def counting(q, *args, **kwargs):
         calls.append(tuple(q.shape))
         return real(q, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernels, "paged_decode", counting)
+    monkeypatch.setattr(kernels, "paged_decode", counting)  # counts the calls; the route is the backend's
     return calls
 
 
@@ -141,25 +152,57 @@ def test_all_decodes_in_one_kernel_call(monkeypatch, decode_path):
 def test_short_prefills_are_decode_queries_in_one_kernel_call_and_long_ones_use_sdpa(monkeypatch, decode_path):
     """With the C kernel, prefills whose contexts are all at most PREFILL_AS_DECODES_MAX_CONTEXT
     long go through it as one query per new token over its causal prefix (one call for all of
-    them, after the decodes' call); a longer context sends the prefills to SDPA."""
-    limit = torch_sdpa.PREFILL_AS_DECODES_MAX_CONTEXT
+    them, after the decodes' call); a longer context sends the prefills to SDPA, and so does
+    ``prefill_as_decodes=False`` (the engine's setting) for every prefill."""
+    from minipaged.cpu.attention import PREFILL_AS_DECODES_MAX_CONTEXT as limit
+    from minipaged.cpu.attention import CPUAttention
+
     kernel, sdpa = _count_kernel_calls(monkeypatch), _count_sdpa_calls(monkeypatch)
-    for longest, via_kernel in ((limit, True), (limit + 1, False)):
+    for longest, pad, via_kernel in ((limit, True, True), (limit + 1, True, False), (limit, False, False)):
+        _IMPL[0] = CPUAttention(prefill_as_decodes=pad).paged_attention
         kernel.clear(), sdpa.clear()
         ctx = [17, 40, 3, 33, longest, 9]  # two decodes, then full prompts and chunks over cached prefixes
         q_lens = [1, 1, 3, 33, 20, 9]
         case = make_case(ctx, q_lens, 9, 3, 64, 16)
-        out = check(case, f"prefills with a context of {longest}", num_decodes=2)
+        out = check(case, f"prefills with a context of {longest}, prefill_as_decodes={pad}", num_decodes=2)
         assert torch.isfinite(out).all()
         if via_kernel:
             assert kernel == [(2, 9, 64), (sum(q_lens[2:]), 9, 64)] and sdpa == [], (kernel, sdpa)
         else:
             assert kernel == [(2, 9, 64)] and sdpa, (kernel, sdpa)
     # a chunk of one sequence that continues a long cached prefix: its queries see all of it
+    _IMPL[0] = CPUAttention().paged_attention
     kernel.clear()
     case = make_case([200, 5], [64, 5], 4, 2, 32, 16)
     check(case, "a chunk over a cached prefix", num_decodes=0)
     assert kernel == [(69, 4, 32)]
+
+
+@pytest.mark.parametrize("decode_path", ["c_kernel"], indirect=True)
+def test_a_step_reused_by_every_layer_is_planned_afresh_when_its_tables_change(decode_path):
+    """The backend makes each prefill token's table row once per step (every layer gets the same
+    metadata tensors): the same tensor changed in place, or another step, is planned afresh."""
+    from minipaged.cpu.attention import CPUAttention
+
+    attn = CPUAttention()
+    case = make_case([20, 20], [20, 20], 4, 2, 32, 16)  # equal lengths: only the tables tell the steps apart
+    first = None
+    for _ in range(2):  # the second call reuses the step's rows
+        got = attn.paged_attention(*case.args(), num_decodes=0)
+        assert_attention_close(got, reference(*case.args()), case, "a step's rows, reused")
+        first = got if first is None else first
+    case.block_tables[[0, 1]] = case.block_tables[[1, 0]].clone()  # in place: each sequence reads the other's pages
+    got = attn.paged_attention(*case.args(), num_decodes=0)
+    assert_attention_close(got, reference(*case.args()), case, "the same tables tensor, changed in place")
+    assert not torch.allclose(got, first), "the swap made no difference: the test proves nothing"
+    # a cache whose pages are not contiguous: PyTorch's SDPA serves it
+    wide_k = torch.zeros(*case.k_cache.shape[:-1], 2 * case.k_cache.shape[-1])
+    wide_k[..., ::2] = case.k_cache
+    k_view = wide_k[..., ::2]
+    assert not k_view.is_contiguous()
+    got = attn.paged_attention(case.q, k_view, case.v_cache, case.block_tables, case.context_lens, case.query_start_loc,
+                               case.scale)
+    assert_attention_close(got, reference(*case.args()), case, "pages that are not contiguous")
 
 
 @pytest.mark.parametrize("decode_path", ["c_kernel"], indirect=True)
@@ -168,7 +211,7 @@ def test_c_kernel_refuses_a_block_outside_the_cache(decode_path):
     tables = case.block_tables.clone()
     tables[0, 1] = case.k_cache.shape[0] + 3
     with pytest.raises(IndexError, match="outside the cache"):
-        cpu_kernels.paged_decode(case.q, case.k_cache, case.v_cache, tables, case.context_lens, 0.1)
+        kernels.paged_decode(case.q, case.k_cache, case.v_cache, tables, case.context_lens, 0.1)
 
 
 @pytest.mark.parametrize("decode_path", ["sdpa"], indirect=True)
@@ -266,8 +309,13 @@ def test_fast_matches_reference_property(data, kv_heads, group, block_size, pad_
     assert_attention_close(out, reference(*case.args()), case, f"torch_sdpa (pad limit {pad_limit}) vs reference")
 
 
-def test_backend_names():
+def test_backend_names(decode_path):
     assert get_backend("torch") is TORCH and get_backend("reference") is REFERENCE
-    assert TORCH.paged_attention is fast and REFERENCE.paged_attention is reference
+    assert TORCH.paged_attention is torch_sdpa.paged_attention and REFERENCE.paged_attention is reference
+    if decode_path == "c_kernel":
+        from minipaged.cpu.attention import CPUAttention
+
+        cpu = CPUAttention().backend()
+        assert cpu.name == "cpu" and cpu.takes_num_decodes
     with pytest.raises(ValueError, match="reference"):
         get_backend("nope")

@@ -290,23 +290,22 @@ def test_readme_generated_blocks_are_current():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_the_bench_can_serve_on_the_fp32_weights_only(smollm2):
-    """``minipaged bench --fp32-weights`` (run_bench(gguf_blocks=False)) reaches every engine it builds."""
+def test_the_bench_can_serve_on_the_fp32_weights_only():
+    """``minipaged bench --fp32-weights`` (run_bench(gguf_blocks=False)) and the bench's engine
+    settings reach every engine it builds: each engine's plan says so, and each serves."""
     from minipaged.bench.baselines import run_system
+    from test_gguf_blocks import gguf_model
 
-    model, _ = smollm2
-    try:
-        res = run_system(model, "continuous_paged", [([1, 2, 3, 4, 5], 3), ([6, 7, 8], 2)], num_blocks=8, reserve_tokens=16,
-                         gguf_blocks=False)
-        assert model.gguf_blocks_info()["max_rows"] == 0, "the engine did not get gguf_blocks=False"
-        assert sum(len(o) for o in res.outputs.values()) == 5
-        run_system(model, "naive", [([1, 2, 3], 2)], num_blocks=8, reserve_tokens=16)
-        assert model.gguf_blocks_info()["in_use"] == cpu_kernels_fast()
-    finally:
-        model.use_gguf_blocks()
-
-
-def cpu_kernels_fast() -> bool:
-    from minipaged.attention import cpu_kernels
-
-    return cpu_kernels.qmatmul_fast()
+    model = gguf_model()  # a model "loaded from a GGUF file", whose blocks an engine could use
+    reqs = [([1, 2, 3, 4, 5], 3), ([6, 7, 8], 2)]
+    res = run_system(model, "continuous_paged", reqs, num_blocks=8, reserve_tokens=16, gguf_blocks=False)
+    assert res.engine.plan.refused["gguf_blocks"] == "gguf_blocks=False", res.engine.plan
+    assert not res.engine.plan.routes["linear"].startswith("gguf")
+    assert sum(len(o) for o in res.outputs.values()) == 5
+    naive = run_system(model, "naive", reqs, num_blocks=8, reserve_tokens=16, gguf_blocks=False,
+                       engine={"whole_step_decode": False})
+    assert naive.engine.plan.refused["gguf_blocks"] == "gguf_blocks=False"
+    assert naive.engine.plan.refused["whole_step_decode"] == "whole_step_decode=False"
+    plain = run_system(model, "static_contiguous", reqs, num_blocks=8, reserve_tokens=16, engine={"fast_paths": False})
+    assert set(plain.engine.plan.refused) == {"fast_paths"}
+    assert plain.outputs == res.outputs == naive.outputs

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -105,16 +106,24 @@ def _own_layers(model: nn.Module) -> str | None:
     return None
 
 
+class _FileBlocks(dict):
+    """hf name -> GGUFBlocks of one file (a dict that can be weakly referenced)."""
+
+
 def _gguf_blocks(model: nn.Module) -> tuple[dict | None, str | None]:
-    """The GGUF file's blocks for each linear layer (by module), read once per loaded file, or why not."""
+    """The GGUF file's blocks for each linear layer (by module), or why not. They are read once
+    per loaded file and shared by the executors that use them; the model's source keeps only a
+    weak reference, so they are freed with the last executor that used them."""
     source = getattr(model, "source", None)
     if source is None or source.format != "gguf":
         return None, "the model was not loaded from a GGUF file (load_model(path.gguf) keeps where it came from)"
     from .gguf_blocks import read_blocks
 
-    if "gguf_blocks" not in source.cache:
-        source.cache["gguf_blocks"] = read_blocks(source.path, model.config)
-    by_name = source.cache["gguf_blocks"]
+    cached = source.cache.get("gguf_blocks")
+    by_name = cached() if isinstance(cached, weakref.ref) else cached  # blocks made in memory are held as given
+    if by_name is None:
+        by_name = _FileBlocks(read_blocks(source.path, model.config))
+        source.cache["gguf_blocks"] = weakref.ref(by_name)
     names = {"lm_head.weight": model.lm_head}
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear) and m is not model.lm_head:
@@ -126,18 +135,12 @@ def _gguf_blocks(model: nn.Module) -> tuple[dict | None, str | None]:
 
 
 def _blocks_still_match(blocks: dict) -> str | None:
-    """Spot-check that each weight is still what its blocks rebuild (two columns each, exactly):
-    weights changed since loading must not be served from the file. None when they match."""
-    from . import kernels
-
+    """Every weight must still be exactly what its blocks rebuild: weights changed since loading
+    are never served from the file. Checked in full, one layer at a time. None when they match."""
     for m, b in blocks.items():
         if tuple(m.weight.shape) != (b.out_features, b.in_features):
             return "a linear layer's shape differs from the file's"
-        K = b.in_features
-        cols = [0, K // 2, K - 1]
-        x = torch.zeros(len(cols), K)
-        x[range(len(cols)), cols] = 1.0
-        if not torch.equal(kernels.qmatmul(x, b), m.weight[:, cols].T.float()):
+        if not torch.equal(b.dequantize_rows(), m.weight.float()):
             return "the weights were changed after loading, so the file's blocks no longer hold them"
     return None
 
@@ -425,6 +428,12 @@ class Executor:
                 h = norm(x)
                 x = x + self._linear(mlp.down_proj, F.silu(self._linear(mlp.gate_proj, h)) * self._linear(mlp.up_proj, h))
         return self._norm(model.norm, x)
+
+    def copy_blocks(self, pairs: list) -> None:
+        """Copy-on-write: each (source, destination) block's K/V in every layer, before the step writes."""
+        from ..prefix_cache import copy_blocks
+
+        copy_blocks(self.kv_cache, pairs)
 
     def weight_bytes_read(self) -> int | None:
         """Bytes of weights one token at batch 1 reads where every linear layer multiplies from
