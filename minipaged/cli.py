@@ -120,6 +120,7 @@ BENCH_COMMANDS = [
     ("kernels", ".bench.kernels", "time the Triton paged decode kernel on a GPU (GB/s against the copy bandwidth)"),
     ("speed", ".bench.speed", "minipaged against transformers' generate at the same batch, and the fp32 GEMM ceiling"),
     ("profile", ".bench.profile", "where a step's time goes at batch 1, 16 and 64"),
+    ("tp", ".bench.tp", "where a tensor-parallel decode step's time goes: compute, all-reduce, bytes per token"),
     ("ablation", ".bench.ablation", "what each fast path buys: plain, + C kernels, + GGUF matmul, + whole-step decode, + greedy-from-head"),
     ("detok", ".bench.detok", "what detokenizing costs per token, incremental against a full re-decode"),
     ("prefix", ".bench.prefix", "a shared system prompt with the prefix cache on and off"),
@@ -167,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description=(serving.__doc__ or "").strip().splitlines()[0])
     serving.add_arguments(b)
     b.set_defaults(fn=serving.run, _parser=b)
-    bsub = b.add_subparsers(dest="bench_cmd", metavar="{kernels,speed,profile,ablation,detok,prefix,paper,serve}")
+    bsub = b.add_subparsers(dest="bench_cmd", metavar="{kernels,speed,profile,ablation,tp,detok,prefix,paper,serve}")
     for name, module, help in BENCH_COMMANDS:
         _add_module_command(bsub, name, module, help)
     try:

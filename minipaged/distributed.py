@@ -41,6 +41,10 @@ from torch import nn
 from .attention import AttentionMetadata, get_backend
 from .kv_cache import KVCache
 
+# Every collective (the step's message, each all-reduce) gives up after this long, so a worker that
+# died or hangs never hangs the engine: the step fails with an error instead.
+COLLECTIVE_TIMEOUT_S = 60
+
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
@@ -109,23 +113,39 @@ def shard_state(model: nn.Module, shard: Shard) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_shard_model(cfg: Any, state: dict[str, torch.Tensor], device: str = "cpu") -> nn.Module:
-    """The plain model on one rank's shard, with an all-reduce after o_proj and down_proj."""
+def build_shard_model(cfg: Any, state: dict[str, torch.Tensor], device: str = "cpu", stats: dict | None = None) -> nn.Module:
+    """The plain model on one rank's shard, with an all-reduce after o_proj and down_proj.
+    ``stats`` (optional) counts the all-reduces: calls, bytes and seconds spent in them."""
     from .model.llama import LlamaModel
 
     with torch.device("meta"):
         net = LlamaModel(cfg)
     net.load_hf_state_dict({("" if k.startswith("lm_head") else "model.") + k: v for k, v in state.items()})
     net = net.to(device).eval()
+    hook = _all_reduce_hook if stats is None else _timed_all_reduce(stats)
     for layer in net.layers:
         for m in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            m.register_forward_hook(_all_reduce_hook)
+            m.register_forward_hook(hook)
     return net
 
 
 def _all_reduce_hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(out)  # the sum of every rank's partial product
     return out
+
+
+def _timed_all_reduce(stats: dict):
+    import time
+
+    def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        t = time.perf_counter()
+        dist.all_reduce(out)  # waiting for the slowest rank is counted here too
+        stats["seconds"] += time.perf_counter() - t
+        stats["calls"] += 1
+        stats["bytes"] += out.numel() * out.element_size()
+        return out
+
+    return hook
 
 
 def _forward(model: nn.Module, kv_cache: KVCache, backend: Any, msg: dict) -> torch.Tensor:
@@ -140,8 +160,11 @@ def _forward(model: nn.Module, kv_cache: KVCache, backend: Any, msg: dict) -> to
 
 def _worker(rank: int, size: int, init: str, cfg: Any, num_blocks: int, block_size: int, dtype: torch.dtype,
             attention: str, backend_name: str) -> None:
+    import datetime
+
     torch.set_num_threads(1)
-    dist.init_process_group(backend_name, init_method=init, rank=rank, world_size=size)
+    dist.init_process_group(backend_name, init_method=init, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         box = [None]
         dist.recv_object_list(box, src=0)  # this rank's weights
@@ -202,6 +225,10 @@ class TensorParallelExecutor:
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group is already running in this process: one "
                                "tensor-parallel engine per process (call engine.shutdown() on the other first)")
+        most = max(8, 4 * (os.cpu_count() or 1))
+        if size > most:
+            raise ValueError(f"tensor_parallel_size={size} is more worker processes than this machine can usefully "
+                             f"start ({os.cpu_count()} CPUs): use at most {most}")
         cfg = model.config
         shards = shard_rule(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, size)
         attention = "torch" if attention in ("auto", "cpu") else attention
@@ -219,12 +246,17 @@ class TensorParallelExecutor:
                                    p.dtype, attention, backend_name)) for r in range(1, size)]
         for proc in procs:
             proc.start()
-        dist.init_process_group(backend_name, init_method=init, rank=0, world_size=size)
+        import datetime
+
+        dist.init_process_group(backend_name, init_method=init, rank=0, world_size=size,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         self._group = _Group(procs, init_file)
         self._finalizer = weakref.finalize(self, self._group.close)
         for s in shards[1:]:
             dist.send_object_list([shard_state(model, s)], dst=s.rank)
-        self.shard_model = build_shard_model(shard_config(cfg, shards[0]), shard_state(model, shards[0]), device.type)
+        self.all_reduce = {"calls": 0, "bytes": 0, "seconds": 0.0}  # the driver's all-reduces so far
+        self.shard_model = build_shard_model(shard_config(cfg, shards[0]), shard_state(model, shards[0]), device.type,
+                                             self.all_reduce)
         self._pending_copies: list = []
         self.last_route = None
         refused = {"fast_paths": f"tensor_parallel_size={size}: every rank runs the plain model on its shard, "
@@ -253,10 +285,13 @@ class TensorParallelExecutor:
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if not self._group.open:
-            raise RuntimeError("this engine's tensor-parallel workers were shut down")
-        dead = [p.pid for p in self._group.procs if not p.is_alive()]
+            raise RuntimeError("this engine's tensor-parallel workers were shut down (a worker died, a step failed, "
+                               "or engine.shutdown() was called): build a new engine")
+        dead = [(r + 1, p.pid, p.exitcode) for r, p in enumerate(self._group.procs) if not p.is_alive()]
         if dead:
-            raise RuntimeError(f"tensor-parallel worker process(es) {dead} died: build a new engine")
+            self._group.close()
+            raise RuntimeError("tensor-parallel worker(s) died: " + ", ".join(
+                f"rank {r} (pid {pid}, exit code {code})" for r, pid, code in dead) + "; this engine serves no more: build a new one")
         msg = {"input_ids": input_ids, "positions": positions, "slot_mapping": meta.slot_mapping,
                "block_tables": meta.block_tables, "context_lens": meta.context_lens,
                "query_start_loc": meta.query_start_loc, "num_decodes": meta.num_decodes,

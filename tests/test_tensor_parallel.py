@@ -97,3 +97,25 @@ def test_bad_settings_are_refused_before_any_process_starts(tiny_model):
         LLMEngine(model, tok, tensor_parallel_size=3, num_blocks=8)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
         LLMEngine(model, tok, tensor_parallel_size=0, num_blocks=8)
+
+
+@pytest.mark.slow
+def test_a_dead_worker_fails_the_step_with_its_name_and_nothing_hangs(tiny_model):
+    model, tok = tiny_model
+    eng = LLMEngine(model, tok, tensor_parallel_size=2, block_size=4, num_blocks=24)
+    try:
+        first = eng.add_request(PROMPTS[0], GREEDY)
+        eng.step()
+        worker = eng.executor._group.procs[0]
+        worker.kill()
+        worker.join(10)
+        with pytest.warns(UserWarning):
+            done = eng.run()
+        assert done[first].finish_reason == "error" and "rank 1" in done[first].error and str(worker.pid) in done[first].error
+        later = eng.add_request(PROMPTS[1], GREEDY)  # refused at its step, at once, not hung
+        with pytest.warns(UserWarning):
+            done = eng.run()
+        assert done[later].finish_reason == "error" and "build a new engine" in done[later].error
+    finally:
+        eng.shutdown()
+    assert not any(p.is_alive() for p in eng.executor._group.procs)
