@@ -1,4 +1,4 @@
-# Two commands for a new user: `make demo` and `make test`. Both set up .venv first.
+# Two commands for a new user: `make demo` and `make test` (`make check`: its quick tier). All set up .venv first.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.minipaged-installed
 
-.PHONY: demo test setup bench notebooks exercises grade-solutions lab clean
+.PHONY: demo test check setup bench notebooks exercises grade-solutions lab clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || { echo "creating $(VENV) ..."; $(PYTHON) -m venv $(VENV); }
@@ -22,8 +22,15 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/minipaged demo
 
+# Everything: what .ci/run runs.
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The quick tier, for every change: the unit, property, contract and parity tests. Tests marked
+# `slow` (notebooks, the browser, the server under load, the bench, grading runs, the real model's
+# longer runs) are left to `make test`.
+check: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 # The README's figures: measure, then rewrite the README's generated blocks from the JSON.
 bench: $(STAMP)

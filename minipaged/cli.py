@@ -66,6 +66,9 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"KV waste              {st['kv_waste'] * 100:.1f}% of reserved slots unused (reserved but not yet filled)")
     print(f"peak concurrent seqs  {st.get('peak_concurrency', '?')}")
     print(f"preemptions           {st['preemptions']}")
+    print(f"steps by route        {', '.join(f'{k} x{v}' for k, v in sorted(st['routes'].items()))}")
+    print("the plan (which implementation ran each stage; LLM(fast_paths=False) is the plain route):")
+    print("  " + str(llm.engine.plan).replace("\n", "\n  "))
     print("\nNext: `make test`, then open notebooks/ (see the README).")
     return 0
 

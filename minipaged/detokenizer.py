@@ -9,9 +9,10 @@ last few tokens, so a 1,000-token answer costs the same per token as a 10-token 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence as Seq
 
-from .sequence import FinishReason
+from .data import FinishReason
 
 _PENDING = "\ufffd"  # what a tokenizer prints for a UTF-8 character whose other bytes are still to come
 
@@ -59,6 +60,17 @@ class IncrementalDetokenizer:
         return delta
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """The stop settings of a checker made by hand (the names a Sequence has for them)."""
+
+    max_tokens: int
+    num_prompt_tokens: int
+    eos_token_ids: tuple = ()
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+
+
 class StopChecker:
     """One per request: ``append(token_id) -> (finish_reason or None, text delta)``.
 
@@ -66,6 +78,12 @@ class StopChecker:
     is cut before it, and no part of it is ever returned), ``max_tokens``, the model's context
     (``max_model_len``). Text that could still turn out to be the start of a stop string is held
     back until it cannot, so a streamed answer never shows a stop string.
+
+    A sequence's checker is made by :meth:`for_sequence`, the one place one is built: it reads
+    ``max_tokens``, ``eos_token_ids``, ``stop_token_ids`` and ``ignore_eos`` from the sequence
+    (their one owner) and holds only what the sequence does not: the stop strings, the model's
+    context and the tokenizer. ``StopChecker(max_tokens, num_prompt_tokens, ...)`` makes one
+    from settings given by hand.
     """
 
     def __init__(
@@ -79,10 +97,20 @@ class StopChecker:
         max_model_len: int | None = None,
         tokenizer: Any = None,
     ) -> None:
-        self.max_tokens = max_tokens
-        self.num_prompt_tokens = num_prompt_tokens
-        self.eos = frozenset(() if ignore_eos else eos_token_ids)
-        self.stop_ids = frozenset(stop_token_ids)
+        settings = _Settings(max_tokens, num_prompt_tokens, tuple(eos_token_ids), tuple(stop_token_ids), ignore_eos)
+        self._setup(settings, stop, max_model_len, tokenizer)
+
+    @classmethod
+    def for_sequence(cls, seq: Any, stop: Seq[str] = (), max_model_len: int | None = None,
+                     tokenizer: Any = None) -> "StopChecker":
+        """The checker of ``seq`` (a :class:`minipaged.data.Sequence`): its stop settings are read
+        from ``seq``; ``stop`` strings need the ``tokenizer``."""
+        checker = cls.__new__(cls)
+        checker._setup(seq, stop, max_model_len, tokenizer)
+        return checker
+
+    def _setup(self, settings: Any, stop: Seq[str], max_model_len: int | None, tokenizer: Any) -> None:
+        self.settings = settings  # the sequence (or _Settings): max_tokens, eos/stop ids, ignore_eos
         self.stop = tuple(stop)
         self.max_model_len = max_model_len
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
@@ -92,6 +120,23 @@ class StopChecker:
         self.finish_reason: FinishReason | None = None
         self._text = ""
         self._unread = ""  # deltas not yet taken by the engine (pop_delta)
+
+    # the settings, read from their owner
+    @property
+    def max_tokens(self) -> int:
+        return self.settings.max_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.settings.num_prompt_tokens
+
+    @property
+    def eos(self) -> frozenset:
+        return frozenset(() if self.settings.ignore_eos else self.settings.eos_token_ids)
+
+    @property
+    def stop_ids(self) -> frozenset:
+        return frozenset(self.settings.stop_token_ids)
 
     @property
     def text(self) -> str:
@@ -105,7 +150,8 @@ class StopChecker:
         token_id = int(token_id)
         reason = None
         cut = False
-        if token_id in self.eos or token_id in self.stop_ids:
+        rule = self.settings
+        if (token_id in rule.eos_token_ids and not rule.ignore_eos) or token_id in rule.stop_token_ids:
             reason = FinishReason.STOP  # the stop token itself adds no text
         elif self.detok is not None:
             piece = self.detok.append(token_id)
@@ -118,9 +164,9 @@ class StopChecker:
                     if hits:
                         self._text = self._text[: min(hits)]
                         reason, cut = FinishReason.STOP, True
-        if reason is None and self.num_output_tokens >= self.max_tokens:
+        if reason is None and self.num_output_tokens >= rule.max_tokens:
             reason = FinishReason.LENGTH
-        if reason is None and self.max_model_len is not None and self.num_prompt_tokens + self.num_output_tokens >= self.max_model_len:
+        if reason is None and self.max_model_len is not None and rule.num_prompt_tokens + self.num_output_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         self.finish_reason = reason
         if reason is not None and self.detok is not None and not cut:

@@ -1,7 +1,9 @@
 """The contracts between the engine and its parts: what a learner's piece must offer.
 
-Owns the *seams*, nothing else: three ``typing.Protocol``s (the block pool, the block table,
-the scheduler) and the paged-attention function's signature. Each Protocol holds exactly the
+Owns the *seams*, nothing else: four ``typing.Protocol``s (the block pool, the block table,
+the scheduler, the prefix cache) and the paged-attention function's signature. The records
+the parts hand each other (``Sequence``, ``SchedulerOutput``, ...) live one floor down, in
+:mod:`minipaged.data`, which is all this module imports of the package. Each Protocol holds exactly the
 members a learner writes in the workbooks; everything else the engine, trace, viz or the
 invariant checks need is a free function over those members (see ``parts.py``), so a learner's
 class with only these members serves a real model.
@@ -12,6 +14,8 @@ Constructors are part of the contract:
 - ``block_table_cls(allocator)`` -> a ``BlockTableProtocol`` (one per sequence)
 - ``scheduler_cls(allocator, block_table_cls, config)`` -> a ``SchedulerProtocol``, where
   ``config`` is the engine's :class:`minipaged.config.EngineConfig`
+- ``prefix_cache_cls(pool)`` -> a ``PrefixCacheProtocol`` in front of the block pool (when
+  prefix caching is on)
 - ``attention``: a ``PagedAttentionFn`` (or a name, see ``minipaged.attention.get_backend``)
 
 A part says which non-default settings it supports with a class attribute ``supports``
@@ -21,13 +25,12 @@ when it is built: nothing is silently ignored.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence as Seq, runtime_checkable
+
+from .data import FinishReason, SchedulerOutput, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from .scheduler import SchedulerOutput
-    from .sequence import FinishReason, Sequence
 
 
 @runtime_checkable
@@ -103,6 +106,64 @@ class SchedulerProtocol(Protocol):
     def has_unfinished(self) -> bool: ...
 
 
+@runtime_checkable
+class PrefixCacheProtocol(Protocol):
+    """A block pool in front of a block pool, that remembers full blocks by content.
+
+    Constructor: ``prefix_cache_cls(pool)`` with any :class:`BlockPool`; the reference is
+    :class:`minipaged.prefix_cache.PrefixCache`.
+
+    Block-pool members, as seen by block tables and the scheduler:
+
+    - ``ref_count(b)``: how many block tables hold ``b`` (the cache's own hold is not counted);
+    - ``num_free_blocks``: blocks nobody uses: never-cached free blocks plus cached blocks at
+      ref count 0 (those are *evictable*);
+    - ``allocate()``: a never-cached free block if there is one, else the least recently
+      released cached block at ref count 0, whose hash is dropped (an eviction); raises
+      ``OutOfBlocksError`` when neither exists;
+    - ``free(b)``: one reference fewer; a cached block reaching 0 stays cached, and becomes the
+      most recently used evictable block; ``BlockAllocatorError`` on a block at ref count 0;
+    - ``incref(b)``: one more sharer; a cached block at 0 is revived (no longer evictable).
+
+    Caching members:
+
+    - ``hash_block(parent, token_ids)``: the chained hash of one full block (``parent`` is the
+      previous block's hash, ``minipaged.prefix_cache.ROOT_HASH`` for the first block);
+    - ``match_prefix(token_ids)``: the cached blocks holding the longest prefix of
+      ``token_ids`` made of whole blocks, never including the last token (it is always
+      recomputed, so that there are logits to sample from). Changes nothing;
+    - ``cache_blocks(token_ids, blocks)``: ``token_ids`` are a sequence's tokens whose K/V is
+      computed, ``blocks`` its block table's blocks: every *full* block among them becomes
+      findable by its chained hash (a partial block is still being written: never cached). A
+      hash cached already keeps its block;
+    - ``num_cached_blocks``: blocks findable by hash now; ``num_evictions``: hashes dropped so far.
+    """
+
+    num_blocks: int
+    block_size: int
+    num_evictions: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def num_cached_blocks(self) -> int: ...
+
+    def allocate(self) -> int: ...
+
+    def free(self, block_id: int) -> None: ...
+
+    def incref(self, block_id: int) -> None: ...
+
+    def ref_count(self, block_id: int) -> int: ...
+
+    def hash_block(self, parent: bytes, token_ids: Seq[int]) -> bytes: ...
+
+    def match_prefix(self, token_ids: Seq[int]) -> list[int]: ...
+
+    def cache_blocks(self, token_ids: Seq[int], blocks: Seq[int]) -> None: ...
+
+
 class PagedAttentionFn(Protocol):
     """``paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out=None)``.
 
@@ -131,6 +192,9 @@ PROTOCOL_MEMBERS: dict[type, tuple[str, ...]] = {
     BlockPool: ("num_blocks", "block_size", "num_free_blocks", "allocate", "free", "incref", "ref_count"),
     BlockTableProtocol: ("allocator", "block_size", "blocks", "num_tokens", "blocks_needed", "append_tokens", "slot_mapping", "free"),
     SchedulerProtocol: ("waiting", "running", "add_request", "schedule", "update", "finish", "abort", "has_unfinished"),
+    PrefixCacheProtocol: ("num_blocks", "block_size", "num_free_blocks", "allocate", "free", "incref", "ref_count",
+                          "hash_block", "match_prefix", "cache_blocks", "num_cached_blocks", "num_evictions"),
 }
 
-__all__ = ["BlockPool", "BlockTableProtocol", "SchedulerProtocol", "PagedAttentionFn", "PROTOCOL_MEMBERS"]
+__all__ = ["BlockPool", "BlockTableProtocol", "SchedulerProtocol", "PrefixCacheProtocol", "PagedAttentionFn",
+           "PROTOCOL_MEMBERS"]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from .interfaces import PROTOCOL_MEMBERS, BlockPool, BlockTableProtocol, SchedulerProtocol
+from .data import SequenceStatus
+from .interfaces import PROTOCOL_MEMBERS, BlockPool, BlockTableProtocol, PrefixCacheProtocol, SchedulerProtocol
 
 
 def cdiv(a: int, b: int) -> int:
@@ -81,8 +82,6 @@ def check_table(table: BlockTableProtocol) -> None:
 # -- the scheduler -----------------------------------------------------------------------
 def check_scheduler(sched: Any, max_num_seqs: int | None = None) -> None:
     """Queues and block tables agree with the allocator's ref counts: no leak, no over-free."""
-    from .sequence import SequenceStatus
-
     pool = sched.allocator
     check_pool(pool)
     if max_num_seqs is not None:
@@ -113,7 +112,8 @@ def check_scheduler(sched: Any, max_num_seqs: int | None = None) -> None:
 
 
 # -- fitting a part to its Protocol ------------------------------------------------------
-_ROLE_NAMES = {BlockPool: "allocator", BlockTableProtocol: "block table", SchedulerProtocol: "scheduler"}
+_ROLE_NAMES = {BlockPool: "allocator", BlockTableProtocol: "block table", SchedulerProtocol: "scheduler",
+               PrefixCacheProtocol: "prefix cache"}
 
 
 def missing_members(obj: Any, protocol: type) -> list[str]:

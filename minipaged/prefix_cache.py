@@ -18,9 +18,10 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .block_allocator import BlockAllocatorError, OutOfBlocksError
+from .interfaces import PROTOCOL_MEMBERS, PrefixCacheProtocol
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -30,68 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover
 ROOT_HASH = bytes(32)  # the "parent" of a sequence's first block
 
 
-# -- the contract ----------------------------------------------------------------------------
-@runtime_checkable
-class PrefixCacheProtocol(Protocol):
-    """A block pool in front of a block pool, that remembers full blocks by content.
-
-    Constructor: ``prefix_cache_cls(pool)`` with any :class:`minipaged.interfaces.BlockPool`.
-
-    Block-pool members, as seen by block tables and the scheduler:
-
-    - ``ref_count(b)``: how many block tables hold ``b`` (the cache's own hold is not counted);
-    - ``num_free_blocks``: blocks nobody uses: never-cached free blocks plus cached blocks at
-      ref count 0 (those are *evictable*);
-    - ``allocate()``: a never-cached free block if there is one, else the least recently
-      released cached block at ref count 0, whose hash is dropped (an eviction); raises
-      ``OutOfBlocksError`` when neither exists;
-    - ``free(b)``: one reference fewer; a cached block reaching 0 stays cached, and becomes the
-      most recently used evictable block; ``BlockAllocatorError`` on a block at ref count 0;
-    - ``incref(b)``: one more sharer; a cached block at 0 is revived (no longer evictable).
-
-    Caching members:
-
-    - ``hash_block(parent, token_ids)``: the chained hash of one full block (``parent`` is the
-      previous block's hash, ``ROOT_HASH`` for the first block);
-    - ``match_prefix(token_ids)``: the cached blocks holding the longest prefix of
-      ``token_ids`` made of whole blocks, never including the last token (it is always
-      recomputed, so that there are logits to sample from). Changes nothing;
-    - ``cache_blocks(token_ids, blocks)``: ``token_ids`` are a sequence's tokens whose K/V is
-      computed, ``blocks`` its block table's blocks: every *full* block among them becomes
-      findable by its chained hash (a partial block is still being written: never cached). A
-      hash cached already keeps its block;
-    - ``num_cached_blocks``: blocks findable by hash now; ``num_evictions``: hashes dropped so far.
-    """
-
-    num_blocks: int
-    block_size: int
-    num_evictions: int
-
-    @property
-    def num_free_blocks(self) -> int: ...
-
-    @property
-    def num_cached_blocks(self) -> int: ...
-
-    def allocate(self) -> int: ...
-
-    def free(self, block_id: int) -> None: ...
-
-    def incref(self, block_id: int) -> None: ...
-
-    def ref_count(self, block_id: int) -> int: ...
-
-    def hash_block(self, parent: bytes, token_ids: Sequence[int]) -> bytes: ...
-
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]: ...
-
-    def cache_blocks(self, token_ids: Sequence[int], blocks: Sequence[int]) -> None: ...
-
-
-PREFIX_CACHE_MEMBERS = (
-    "num_blocks", "block_size", "num_free_blocks", "allocate", "free", "incref", "ref_count",
-    "hash_block", "match_prefix", "cache_blocks", "num_cached_blocks", "num_evictions",
-)
+# -- the contract: minipaged.interfaces.PrefixCacheProtocol (re-exported here) ----------------
+PREFIX_CACHE_MEMBERS = PROTOCOL_MEMBERS[PrefixCacheProtocol]
 
 
 # -- the hash chain --------------------------------------------------------------------------
@@ -217,6 +158,17 @@ class PrefixCache:
     def evictable(self) -> list[int]:
         """Cached blocks at ref count 0, least recently released (the next evicted) first."""
         return list(self._evictable)
+
+    def reset(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): evictable ones go back to the
+        pool. Refused (False, nothing changed) while a block table holds a cached block."""
+        if len(self._evictable) != len(self._hash_of):
+            return False
+        while self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._hash_of.pop(block_id)]
+            self.pool.free(block_id)  # the cache's own hold
+        return True
 
     def _check_internal(self) -> None:
         assert len(self._block_of) == len(self._hash_of), "the hash -> block and block -> hash maps disagree"

@@ -12,50 +12,13 @@ one from zero (recompute). There is no separate code path for any of them.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from .config import EngineConfig
-from .parts import cdiv, check_scheduler
+from .data import FinishReason, ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
+from .detokenizer import StopChecker
+from .parts import cdiv, check_scheduler, fork_table  # noqa: F401 (check_scheduler: kept importable from here)
 from .prefix_cache import PrefixStats, cache_computed_blocks, copy_on_write, num_cow_blocks
-from .sequence import FinishReason, Sequence, SequenceStatus
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence's share of a step, filled in by the scheduler; the runner, trace and viz
-    read these fields and never recompute them."""
-
-    seq: Sequence
-    start: int  # num_computed_tokens before the step: positions start .. start + num_new_tokens - 1
-    num_new_tokens: int  # tokens whose KV this step computes
-    samples: bool  # the step reaches the end of the sequence, so its last logits give a new token
-    is_prefill: bool  # False only for a decode: one new token after the whole prompt is computed
-
-    @classmethod
-    def of(cls, seq: Sequence, num_new_tokens: int) -> "ScheduledSeq":
-        """The record for ``seq`` running ``num_new_tokens`` from its ``num_computed_tokens`` on."""
-        start = seq.num_computed_tokens
-        return cls(
-            seq=seq,
-            start=start,
-            num_new_tokens=num_new_tokens,
-            samples=start + num_new_tokens == seq.num_tokens,
-            is_prefill=not (num_new_tokens == 1 and start >= seq.num_prompt_tokens),
-        )
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting in this step
-    finished: list[Sequence] = field(default_factory=list)  # filled by update(): done in this step
-    num_batched_tokens: int = 0
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step writes
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -258,13 +221,7 @@ class Scheduler:
                 continue
             if seq.seq_id not in sampled:
                 raise KeyError(f"no sampled token for sequence {seq.seq_id!r}, which finished its prefill this step")
-            if seq.stop_checker is None:
-                from .detokenizer import StopChecker
-
-                seq.stop_checker = StopChecker(
-                    seq.max_tokens, seq.num_prompt_tokens, seq.eos_token_ids, seq.stop_token_ids,
-                    ignore_eos=seq.ignore_eos, max_model_len=self.max_model_len,
-                )
+            self._give_stop_checker(seq)
             if seq.forks:
                 self._fork(seq, sampled, out)
             seq.append_token(sampled[seq.seq_id])
@@ -276,8 +233,6 @@ class Scheduler:
     def _fork(self, seq: Sequence, sampled: dict, out: SchedulerOutput) -> None:
         """Parallel sampling: ``seq``'s prompt is computed; each pending sample gets a table that
         shares all its blocks (a write into a shared block is copied first), and its own token."""
-        from .parts import fork_table
-
         forks, seq.forks = seq.forks, []
         for f in forks:
             if f.is_finished:
@@ -288,10 +243,17 @@ class Scheduler:
             f.num_computed_tokens = seq.num_computed_tokens
             f.status = SequenceStatus.RUNNING
             self.running.append(f)
+            self._give_stop_checker(f)
             f.append_token(sampled[f.seq_id])
             if f.finish_reason is not None:
                 self.finish(f, f.finish_reason)
                 out.finished.append(f)
+
+    def _give_stop_checker(self, seq: Sequence) -> None:
+        """A sequence made without the engine (a test, a simulation) gets the default stop rule,
+        its settings read from the sequence, when its first token is sampled."""
+        if seq.stop_checker is None:
+            seq.stop_checker = StopChecker.for_sequence(seq, max_model_len=self.max_model_len)
 
     # -- state changes ---------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
@@ -328,3 +290,6 @@ class Scheduler:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(running={len(self.running)}, waiting={len(self.waiting)}, preemptions={self.num_preemptions})"
+
+
+__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput"]

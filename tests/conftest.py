@@ -18,6 +18,63 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+# ----- the two tiers: `make check` runs `-m "not slow"`, `make test` everything ------------------
+
+# Tests that take more than ~2 s on 2 shared cores, marked `slow` here by module (None: all of it) or
+# by name: a test function's name takes all its parameters; a name ending in "[", "/" or "-" is
+# a prefix of parametrized ids. Each group says why. Marks written in a test file still count.
+SLOW_TESTS: dict[str, tuple[str, ...] | None] = {
+    # a server under load, or the bench launching one
+    "test_server_load.py": None,
+    "test_bench_serve.py": None,
+    # the bench's measured runs (its report logic stays in the quick tier)
+    "test_bench.py": ("test_run_bench_tiny", "test_the_bench_can_serve_on_the_fp32_weights_only",
+                      "test_readme_generated_blocks_are_current", "test_every_system_gives_the_engines_greedy_tokens",
+                      "test_workloads_are_seeded_and_shaped", "test_every_system_gets_the_same_kv_bytes"),
+    "test_simgpu.py": ("test_paging_batches_more_requests_than_any_reservation_under_load",
+                       "test_learner_style_lean_parts_drive_the_simulation_to_the_reference_result",
+                       "test_latency_rises_with_the_request_rate"),
+    # notebooks and grading runs: whole workbooks executed, engines served through the grader
+    "test_workbooks.py": ("test_solutions_pass_under_nbval", "test_exercises_fail_exactly_at_their_check_cells",
+                          "test_assemble_finds_the_learners_own_workbooks"),
+    "test_checks.py": ("test_wrong_answer_is_rejected[07_assemble/", "test_engine_mismatch_names_the_part_to_blame",
+                       "test_workbook_05_is_optional_on_a_gpu", "test_solution_kernel_passes_in_the_interpreter",
+                       "test_solutions_pass_every_check", "test_wrong_answer_is_rejected[02_block_allocator/endless_loop]"),
+    "test_rules.py": ("test_the_call_watch_imports_no_kernel_module",
+                      "test_solution_passes_the_check[minipaged.checks.triton_decode:check_decode]",
+                      "test_wrong_answer_fails_its_check_with_its_message[05:"),
+    "test_planted_bugs.py": ("test_the_decode_kernel_plant_breaks_the_kernel_itself",),
+    # a fresh interpreter (Triton hidden, a compiler missing, an environment switch) or a C build
+    "test_packaging.py": ("test_package_imports_without_triton",),
+    "test_attention_reference.py": ("test_package_imports_without_triton", "test_interpreter_notice_is_given_once"),
+    "test_cpu_kernels.py": ("test_minipaged_info_says_what_was_built_or_why_not",
+                            "test_switched_off_by_the_environment_the_pytorch_routes_run",
+                            "test_auto_packing_stays_off_under_an_address_space_limit",
+                            "test_without_a_compiler_the_pytorch_routes_run_and_the_plan_says_why"),
+    # pictures drawn from several whole runs
+    "test_viz.py": ("test_page_table_from_other_sources",),
+    # the Triton interpreter on the largest shapes, and a whole engine on it
+    "test_triton_attention.py": ("test_kernel_benchmark_case_and_table", "test_engine_greedy_tokens_match_the_torch_backend",
+                                 "test_write_kv_matches_reference[128-", "test_prefill_matches_oracles[h8-kv1-d128-bs128-",
+                                 "test_int64_offsets_in_a_pool_past_2_pow_32"),
+}
+
+
+def _is_listed_slow(item) -> bool:
+    names = SLOW_TESTS.get(item.path.name, ())
+    if names is None:
+        return True
+    base = getattr(item, "originalname", None) or item.name
+    return any(item.name == n or base == n or (n.endswith(("[", "/", "-", ":")) and item.name.startswith(n))
+               for n in names)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_listed_slow(item):
+            item.add_marker(pytest.mark.slow)
+
+
 # ----- running a model through a paged cache without the engine ---------------------------------
 
 

@@ -535,7 +535,7 @@ def test_assembled_attention_dispatches_on_num_decodes() -> None:
             return fn(*a, **k)
         return f
 
-    parts = assemble.Parts(BlockAllocator, BlockTable, counted(paged_attention, "full"), Scheduler,
+    parts = assemble.LearnerParts(BlockAllocator, BlockTable, counted(paged_attention, "full"), Scheduler,
                            counted(decode, "decode"))
     case = pa.make_case("mixed", "", [(9, 1), (5, 1), (12, 4), (6, 6)], num_heads=4, num_kv_heads=2, seed=3)
     got = parts.attention(*case.args(), num_decodes=2)

@@ -71,7 +71,7 @@ def test_widgets_work_with_colabs_ipywidgets(tmp_path):
         import ipywidgets
         assert ipywidgets.__version__ == "7.7.1", ipywidgets.__version__
         from minipaged import widgets
-        from minipaged.trace import sample_requests, simulate, simulate_static
+        from minipaged.bench.simulate import sample_requests, simulate, simulate_static
         R = sample_requests(12, seed=1)
         t, s = simulate(R, num_blocks=48, block_size=8, max_num_seqs=4), simulate_static(R, batch_size=4)
         calc = widgets.memory_calculator()

@@ -303,3 +303,65 @@ def test_scheduled_seq_is_a_frozen_record_filled_by_the_scheduler():
     assert (s.start, s.num_new_tokens, s.samples, s.is_prefill) == (6, 1, True, False)
     finished = sched.update(out, {"a": 1})
     assert finished is out.finished and [q.seq_id for q in finished] == ["a"]
+
+
+# -- the seam layer ---------------------------------------------------------------------------
+def test_the_data_records_are_one_set_of_classes_under_every_old_name():
+    import minipaged
+    from minipaged import data, scheduler, sequence
+
+    for name in ("Sequence", "SequenceStatus", "FinishReason"):
+        assert getattr(sequence, name) is getattr(data, name) is getattr(minipaged, name)
+    for name in ("ScheduledSeq", "SchedulerOutput"):
+        assert getattr(scheduler, name) is getattr(data, name) is getattr(minipaged, name)
+
+
+def test_there_is_one_parts_class_and_the_engine_fills_in_the_defaults():
+    from minipaged import BlockAllocator, BlockTable
+    from minipaged.config import Parts
+    from minipaged.engine import resolve_parts
+    from minipaged.prefix_cache import PrefixCache
+
+    assert not hasattr(Parts, "resolved"), "the config names no implementation: the engine resolves the parts"
+    got = resolve_parts(Parts(scheduler_cls=LeanScheduler, attention="reference"))
+    assert (got.allocator_cls, got.block_table_cls, got.scheduler_cls, got.prefix_cache_cls, got.attention) == (
+        BlockAllocator, BlockTable, LeanScheduler, PrefixCache, "reference")
+
+
+def test_a_prefix_cache_missing_a_member_is_named_like_the_other_parts(tiny_model):
+    from minipaged.engine import LLMEngine
+    from minipaged.interfaces import PrefixCacheProtocol
+    from minipaged.prefix_cache import PREFIX_CACHE_MEMBERS, PrefixCache
+
+    assert missing_members(PrefixCache, PrefixCacheProtocol) == []
+    assert set(PREFIX_CACHE_MEMBERS) >= {"match_prefix", "cache_blocks", "hash_block", "num_evictions"}
+
+    # the reference, less one member
+    NoMatch = type("NoMatch", (), {k: v for k, v in vars(PrefixCache).items()
+                                   if k not in ("match_prefix", "__dict__", "__weakref__")})
+    model, tok = tiny_model
+    with pytest.raises(TypeError, match=r"your prefix cache NoMatch has no `match_prefix`.*PrefixCacheProtocol"):
+        LLMEngine(model, tok, prefix_cache_cls=NoMatch, enable_prefix_caching=True, num_blocks=8)
+
+
+def test_a_requests_stop_settings_live_on_its_sequence_and_the_checker_reads_them(tiny_model):
+    from minipaged.detokenizer import StopChecker
+    from minipaged.engine import LLMEngine
+    from minipaged.sequence import Sequence
+
+    model, tok = tiny_model
+    eng = LLMEngine(model, tok, num_blocks=16)
+    params = SamplingParams(max_tokens=3, stop_token_ids=[7], ignore_eos=True, n=2, temperature=0.0)
+    rid = eng.add_request([1, 2, 3], params)
+    req = eng.requests[rid]
+    for q in req.samples:
+        assert (q.max_tokens, q.stop_token_ids, q.ignore_eos) == (3, (7,), True)
+        assert q.stop_checker.settings is q  # read from the sequence, not copied
+    assert req.params is req.seq.sampling_params is params
+    # a sequence made without the engine gets the same rule from the scheduler, read from it too
+    seq = Sequence("s", [1, 2], max_tokens=2, stop_token_ids=(9,))
+    checker = StopChecker.for_sequence(seq)
+    seq.max_tokens = 1
+    assert checker.append(5)[0] is not None  # max_tokens is read when the token comes
+    with pytest.raises(RuntimeError, match="has no stop checker"):
+        Sequence("t", [1], max_tokens=2).append_token(3)

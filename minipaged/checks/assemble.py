@@ -58,7 +58,7 @@ ENGINE_ARGS = dict(block_size=4, num_blocks=7, max_num_seqs=4, max_num_batched_t
 
 
 @dataclass
-class Parts:
+class LearnerParts:
     """The learner's parts, ready for the engine."""
 
     allocator_cls: type
@@ -111,7 +111,7 @@ def _where_hint(folder: Path) -> str:
 
 
 def load_parts(folder: str | os.PathLike | None = None, learner: str | None = None, verbose: bool = True,
-               use_triton: bool | None = None, timeout: float = 300) -> Parts:
+               use_triton: bool | None = None, timeout: float = 300) -> LearnerParts:
     """Your allocator (02), block table (03), attention (04) and scheduler (06), taken from your
     workbook files in ``folder``, each checked again. On a GPU (or with ``use_triton=True``) your
     Triton decode (05) is used for decode steps if its workbook is found and passes its check;
@@ -164,7 +164,7 @@ def _try_part(root: Path, learner, stem: str, names: list, module: str, fn_name:
     return objs, None, (stem, "ok", path.name + note)
 
 
-def _load_parts(folder, learner, verbose, use_triton, state) -> Parts:
+def _load_parts(folder, learner, verbose, use_triton, state) -> LearnerParts:
     root = _folder(folder)
     learner = learner if learner is not None else (os.environ.get("MINIPAGED_LEARNER") or None)
     if use_triton is None:
@@ -200,7 +200,7 @@ def _load_parts(folder, learner, verbose, use_triton, state) -> Parts:
         else:
             why_not = problem[0]
             rows.append((stem, "not used", row[2] or "(optional)"))
-    parts = Parts(found["02_block_allocator"][0], found["03_block_table"][0], found["04_paged_attention_torch"][1],
+    parts = LearnerParts(found["02_block_allocator"][0], found["03_block_table"][0], found["04_paged_attention_torch"][1],
                   found["06_scheduler"][0], decode, {stem: name for stem, _, name in rows})
     if decode is not None:
         used = f"decode steps run through your Triton kernel (05, {parts.files[_DECODE[0]]}), prefill through your 04 attention"
@@ -280,7 +280,7 @@ def _recording_raises(fn: Callable, where: str, raised: list) -> Callable:
     return call
 
 
-def _check_plugged(llm, parts: Parts) -> None:
+def _check_plugged(llm, parts: LearnerParts) -> None:
     eng = getattr(llm, "engine", None)
     if eng is None:
         return
@@ -440,7 +440,7 @@ def check_engine(build_engine: Callable, folder: str | os.PathLike | None = None
     run_with_time_limit(body, timeout, NAME, lambda: state["current"])
 
 
-def _mismatch(exp, got, parts: Parts, build_engine, model, tok, state) -> CheckFailed:
+def _mismatch(exp, got, parts: LearnerParts, build_engine, model, tok, state) -> CheckFailed:
     lines = []
     first = None
     for i, (p, e, g) in enumerate(zip(PROMPTS, exp, got)):
@@ -461,8 +461,8 @@ def _mismatch(exp, got, parts: Parts, build_engine, model, tok, state) -> CheckF
     blame = []
     for name, change in swaps:
         state["current"] = f"serving again with minipaged's {name}"
-        fields = {f.name: getattr(parts, f.name) for f in dataclasses.fields(Parts)}
-        trial = Parts(**{**fields, **change})
+        fields = {f.name: getattr(parts, f.name) for f in dataclasses.fields(LearnerParts)}
+        trial = LearnerParts(**{**fields, **change})
         try:
             outs = _generate(_build(build_engine, model, tok, trial, ENGINE_ARGS), PROMPTS, "the engine")
         except CheckFailed:
@@ -480,4 +480,4 @@ def _mismatch(exp, got, parts: Parts, build_engine, model, tok, state) -> CheckF
                        + f"\n\nEngine settings: {ENGINE_ARGS}, max_tokens={MAX_TOKENS}, temperature=0.\n\nHint: " + hint)
 
 
-__all__ = ["Parts", "load_parts", "check_engine", "model_and_tokenizer", "PROMPTS", "ENGINE_ARGS"]
+__all__ = ["LearnerParts", "load_parts", "check_engine", "model_and_tokenizer", "PROMPTS", "ENGINE_ARGS"]
