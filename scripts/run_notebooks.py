@@ -8,7 +8,8 @@ Widgets are rendered as static pictures (MINIPAGED_STATIC=1), so the stored note
 every plot on a repository page. Each lesson's install cell is stamped first
 (scripts/stamp_colab.py). A lesson that fails keeps its previously stored version and the
 script exits 1. Timings go to notebooks/timings.md (a table for the README): the budget is
-two minutes a lesson and ten for all of them on 2 CPU cores.
+two minutes a lesson and ten for all of them on 2 CPU cores. Running some lessons replaces
+their rows and keeps the others (the table says which rows were re-measured).
 """
 from __future__ import annotations
 
@@ -104,7 +105,27 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}")
 
 
-def write_timings(rows: list[tuple[str, float | None, str]], path: Path) -> None:
+def _stored_rows(path: Path) -> dict[str, tuple[float | None, str]]:
+    """The lesson rows of an existing timings table: name -> (seconds, slowest cell)."""
+    out: dict[str, tuple[float | None, str]] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        cols = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cols) == 4 and cols[0].startswith("`") and cols[0].endswith("`"):
+            secs = None if cols[1] == "failed" else float(cols[1])
+            out[cols[0].strip("`")] = (secs, cols[3])
+    return out
+
+
+def merge_timings(rows: list[tuple[str, float | None, str]], path: Path) -> list[tuple[str, float | None, str]]:
+    """The stored table's rows with the lessons just run replaced (or added), in lesson order."""
+    merged = {name: (s, slow) for name, (s, slow) in _stored_rows(path).items()}
+    merged.update({name: (s, slow) for name, s, slow in rows})
+    return [(name, *merged[name]) for name in sorted(merged)]
+
+
+def write_timings(rows: list[tuple[str, float | None, str]], path: Path, partial: list[str] | None = None) -> None:
     total = sum(s for _, s, _ in rows if s is not None)
     lines = [
         "# Lesson timings",
@@ -113,6 +134,11 @@ def write_timings(rows: list[tuple[str, float | None, str]], path: Path) -> None
         f"{datetime.now(timezone.utc):%Y-%m-%d}. Each lesson runs top to bottom in a fresh kernel, "
         "the default model included; the budget is 2 minutes a lesson and 10 for all of them.",
         "",
+    ]
+    if partial:
+        lines += [f"Re-measured on that day: {', '.join(f'`{n}`' for n in partial)}; the other rows are from an earlier "
+                  "full run (the total adds rows measured on different days).", ""]
+    lines += [
         "| lesson | seconds | within 2 min | slowest cell |",
         "|---|---:|:---:|---|",
     ]
@@ -166,11 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(s for _, s, _ in rows if s is not None)
     print(f"all: {total:.0f} s" + ("" if total <= TOTAL_BUDGET_S else f"  OVER the {TOTAL_BUDGET_S:.0f} s budget"))
     over |= total > TOTAL_BUDGET_S
-    if not a.check and not a.paths and not failed:
-        write_timings(rows, a.timings)
+    if not a.check and not failed:
+        # a full run writes the table; a run of some lessons replaces their rows and keeps the others
+        write_timings(rows if not a.paths else merge_timings(rows, a.timings), a.timings,
+                      partial=None if not a.paths else [name for name, _, _ in rows])
         print(f"wrote {a.timings.relative_to(ROOT) if a.timings.is_relative_to(ROOT) else a.timings}")
     elif not a.check:
-        print("(timings.md is written only when every lesson runs, and runs without error)")
+        print("(timings.md is written only when the lessons run without error)")
     return 1 if failed or (a.check and over) else 0
 
 

@@ -29,6 +29,8 @@ LESSONS = [
     "07_whole_engine",
     "08_prefix_caching_and_sharing",
     "09_serving",
+    "10_where_paging_pays",  # helper-1's lesson
+    "11_beyond_one_device",
 ]
 # The workbook each lesson points to at its end (00 has none; 05's is the Triton kernel workbook).
 WORKBOOK = {
@@ -181,8 +183,43 @@ ASSERTED = {
     "02_block_allocator": ["order == [5, 6, 7, 0, 1, 2]", "(1, 3)", "waste[sizes.index(16)]", "len(blocks) * 16 - n < 16"],
     "03_page_table": ["slot == block * 4 + offset", "after == [", "no block was reused", 'st["peak_blocks_used"] <='],
     "04_paged_attention_torch": ["(out - sdpa(q, K, V)).abs().max() < 1e-5", "assert all(ok)", "(out4 - wrong)"],
-    "05_triton_kernel": ["err < 1e-4", "triton_answer.token_ids == torch_answer.token_ids", '"Paris" in torch_answer'],
+    "05_triton_kernel": ["err < 1e-4", "triton_answer.token_ids == torch_answer.token_ids", '"Paris" in torch_answer',
+                         "c_answer.token_ids == torch_answer.token_ids"],
+    "06_continuous_batching": ['{"model+sampler"}', "len(set(seats.values())) == 1", 'len(runs["static_paged"].trace) ==',
+                               'top["continuous_paged"]["ttft_p50_s"] <'],
+    "07_whole_engine": ['{"model+sampler"}', 'rows[64]["tokens_per_s"] > 4', '["tokens_per_s"] > 2 *', "body == {want}",
+                        'fits["float16"] < fits["fp8"] < fits["int4"]'],
+    "11_beyond_one_device": ["[s.heads for s in shards] ==", 'ar["bytes"] ==', "one == two", '["all_reduce_bytes_per_token"]',
+                             'room["llama-2-70b", 1] == 0'],
 }
+
+# A cell draws a figure when it calls one of these; its stored output must then hold the picture
+# (an assert after the drawing call, in the same cell, used to keep it from being shown).
+DRAWS = ("viz.plot_", "plots.plot_", "plt.show()", "memory_calculator(", "page_table_explorer(", "batching_timeline(")
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_every_figure_is_shown(name):
+    missing = [i for i, c in enumerate(code_cells(load(name)))
+               if any(d in src(c) for d in DRAWS)
+               and not any("image/png" in o.get("data", {}) for o in c.get("outputs", []))]
+    assert not missing, (f"{name}: code cells {missing} draw a figure but store no picture: end the cell with the "
+                         "figure (or plt.show()) and put the asserts in the next cell, then `make notebooks`")
+
+
+# The lessons that measure speed say which route ran (the plan), and the batching experiments run
+# the plain route, so their ratios do not depend on the learner's CPU features.
+PLAN_PRINTED = {"00_setup_and_tour": "print(llm.engine.plan)", "06_continuous_batching": "engine.plan",
+                "07_whole_engine": "print(eng.plan)"}
+
+
+@pytest.mark.parametrize("name", sorted(PLAN_PRINTED))
+def test_measuring_lessons_state_their_route(name):
+    body = "\n".join(src(c) for c in code_cells(load(name)))
+    assert PLAN_PRINTED[name] in body, f"{name}: no cell prints the plan it ran"
+    if name != "00_setup_and_tour":
+        assert '"fast_paths": False' in body and '"enable_prefix_caching": False' in body, (
+            f"{name}: the batching experiments must run the plain route with prefix caching off")
 
 
 @pytest.mark.parametrize("name", sorted(ASSERTED))

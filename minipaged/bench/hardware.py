@@ -53,6 +53,18 @@ def gemm_gflops(n: int = 1024, repeats: int = 8, dtype: torch.dtype = torch.floa
     return 2 * n**3 / _best(lambda: torch.matmul(a, b, out=out), repeats) / 1e9
 
 
+def ceilings(quick: bool = True) -> dict[str, float]:
+    """This machine's two ceilings, measured as ``minipaged bench`` measures them (``quick``: its
+    ``--quick`` sizes), so lesson 01, lesson 07 and the bench read one roofline: GEMM FLOP/s,
+    read and copy bandwidth, the ridge point (flops per byte read) and the batch where an fp32
+    decode step's weight traffic stops being the bottleneck (B* = 2 x ridge)."""
+    bw = bandwidth(mib=128 if quick else 256, repeats=3 if quick else 5)
+    gf = gemm_gflops(repeats=4 if quick else 8)
+    return {"gemm_gflops": gf, "read_GBps": bw["read_GBps"], "copy_GBps": bw["copy_GBps"],
+            "ridge_flops_per_byte": gf / bw["read_GBps"],
+            "fp32_compute_bound_batch": predicted_compute_bound_batch(gf, bw["read_GBps"], 4.0)}
+
+
 def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """The 2-D weights a decode step multiplies by (every linear layer and the LM head, not the
     embedding lookup, which reads one row per token)."""
@@ -84,8 +96,8 @@ def predicted_compute_bound_batch(gflops: float, gbps: float, bytes_per_param: f
 @torch.inference_mode()
 def time_linear_layers(weights: list[torch.Tensor], batch: int, repeats: int = 3) -> float:
     """Seconds for one decode step's matmuls at ``batch`` sequences: x (batch, in) @ W.T for every W."""
-    xs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
-    outs = [torch.empty(batch, w.shape[0], dtype=w.dtype) for w in weights]
+    xs = [torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]  # where the weights are
+    outs = [torch.empty(batch, w.shape[0], dtype=w.dtype, device=w.device) for w in weights]
 
     def step() -> None:
         for x, w, o in zip(xs, weights, outs):

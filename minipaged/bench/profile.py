@@ -14,9 +14,11 @@ timers are wrapped around its public parts for the run and removed afterwards:
 
 Each batch size serves that many real chat requests x ``max_tokens`` new tokens at once
 (greedy, EOS ignored, fp32), and the shares are of the summed step time of the whole run,
-prefill steps included. Timing each part needs each part called on its own, so under the timers
-the model runs its layers one call at a time (hooks switch off the one-call decode of
-model/llama.py); the same run with no timers follows, and its ms per step is the served speed.
+prefill steps included. Timing each part needs each part called on its own, so the timed engine is built after the hooks
+are on: its plan sees them and runs ``model.forward`` layer by layer (the executor's fast routes
+are refused); the same run with no timers follows, on the engine's own plan, and its ms per step
+is the served speed. ``decode_steps_by_route`` times whole decode steps of several plans side by
+side (lesson 07).
 Prints a markdown table (the README's) and can write JSON.
 """
 from __future__ import annotations
@@ -113,13 +115,14 @@ def profile_engine(model, tokenizer, requests, max_num_seqs: int, max_num_batche
 
     timers = Timers()
     backend = _timing_backend(get_backend(attention, next(model.parameters()).device), timers)
-    eng = _engine(model, tokenizer, requests, max_num_seqs, max_num_batched_tokens, backend, block_size)
     handles = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and mod is not model.lm_head:
             handles += timers.hook("linear layers", mod)
     handles += timers.hook("LM head", model.lm_head)
     handles += timers.hook("model forward", model)
+    # built after the hooks: its plan sees them and runs model.forward, so every timed call is made
+    eng = _engine(model, tokenizer, requests, max_num_seqs, max_num_batched_tokens, backend, block_size)
     eng.sampler = _TimedSampler(eng.sampler, timers)
     sched = eng.scheduler
     sched.schedule = timers.wrap("scheduler", sched.schedule)
@@ -165,7 +168,7 @@ def untimed_steps(model, tokenizer, requests, max_num_seqs: int, max_num_batched
                   attention: str = "torch", block_size: int = 16) -> dict:
     """The same run as ``profile_engine`` with no timers: the timers' hooks and timing backend
     make the model run its layers one call at a time, so this is what the engine's step costs
-    as it serves (a decode step's layers in one C call where the model can, model/llama.py)."""
+    as it serves, on the plan its engine makes (engine.plan)."""
     from ..sampling import SamplingParams
 
     eng = _engine(model, tokenizer, requests, max_num_seqs, max_num_batched_tokens, attention, block_size)
@@ -176,6 +179,65 @@ def untimed_steps(model, tokenizer, requests, max_num_seqs: int, max_num_batched
     wall = time.perf_counter() - t_run
     return {"steps": eng.num_steps, "wall_seconds": wall, "ms_per_step": wall / max(eng.num_steps, 1) * 1e3,
             "output_tokens_per_s": sum(r.max_tokens for r in requests) / wall}
+
+
+# -- one decode step, route by route (lesson 07) -------------------------------------------
+def decode_step_seconds(engine: Any, batch: int, context_len: int = 64, steps: int = 3, seed: int = 0) -> dict:
+    """Seconds of one decode-only step of ``engine`` at ``batch`` sequences whose contexts are about
+    ``context_len`` tokens (the fastest of ``steps`` such steps: a busy machine only adds time),
+    and the route those steps took (``StepRecord.route``). The engine must record a trace and be idle."""
+    from ..sampling import SamplingParams
+
+    if engine.has_unfinished_requests():
+        raise ValueError("the engine is serving requests: time decode steps on an idle engine")
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    for _ in range(batch):
+        prompt = torch.randint(0, vocab, (context_len,), generator=g).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+    best, routes = float("inf"), set()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        rec = engine.trace[-1]
+        if rec.prefill_tokens == 0 and len(rec.batch) == batch:  # a decode-only step of the whole batch
+            best = min(best, dt)
+            routes.add(rec.route)
+    if best == float("inf"):
+        raise RuntimeError(f"no decode-only step of {batch} sequences was seen: give the engine more KV blocks or seats")
+    return {"batch": batch, "seconds": best, "tokens_per_s": batch / best, "route": "/".join(sorted(routes))}
+
+
+def decode_steps_by_route(model: Any, routes: dict[str, dict], batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+                          context_len: int = 64, steps: int = 3, block_size: int = 16) -> dict[str, dict]:
+    """Whole decode steps of the same model on several routes, side by side in one process.
+
+    ``routes``: a name -> EngineConfig settings (``{"fast_paths": False}``: the plain PyTorch model).
+    One engine per route, all on ``model``; each batch size is timed on every route before the
+    next (so a burst of load on a shared machine falls on all of them). Returns, per route, its
+    plan, the steps' route names, seconds and tokens/s per batch, and the measured knee
+    (``hardware.measured_knee``: where the step's time leaves its batch-1 floor)."""
+    from ..engine import LLMEngine
+    from .hardware import measured_knee
+
+    top = max(batches)
+    per_seq = -(-(context_len + steps + 2) // block_size)
+    engines = {name: LLMEngine(model, None, block_size=block_size, num_blocks=top * per_seq + 1, max_num_seqs=top,
+                               max_num_batched_tokens=max(2048, top * context_len), enable_prefix_caching=False,
+                               **kw) for name, kw in routes.items()}
+    rows: dict[str, list] = {name: [] for name in routes}
+    for b in batches:
+        for name, eng in engines.items():
+            rows[name].append(decode_step_seconds(eng, b, context_len, steps))
+    out = {}
+    for name, eng in engines.items():
+        r = rows[name]
+        out[name] = {"plan": eng.plan, "settings": dict(routes[name]), "by_batch": r,
+                     "step_routes": sorted({x["route"] for x in r}),
+                     "knee": measured_knee([x["batch"] for x in r], [x["seconds"] for x in r]),
+                     "weight_bytes_read": eng.executor.weight_bytes_read()}
+    return out
 
 
 def run_profile(batches: tuple[int, ...] = (1, 16, 64), max_tokens: int = 64, attention: str = "torch",
