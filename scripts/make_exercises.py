@@ -26,7 +26,7 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 MD_BEGIN, MD_END = "=== BEGIN SOLUTION ===", "=== END SOLUTION ==="
 STUB = ["# YOUR CODE HERE", "raise NotImplementedError()"]
 # Cell metadata a generated workbook keeps; the rest (execution timings, widget state) is noise.
-KEEP_CELL_METADATA = ("tags", "collapsed", "jupyter")
+KEEP_CELL_METADATA = ("tags", "collapsed", "jupyter", "nbgrader")  # nbgrader: a submission carries its grade ids
 
 sys.path.insert(0, str(ROOT))
 from minipaged.colab import install_cell_source  # noqa: E402

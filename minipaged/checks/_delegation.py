@@ -34,13 +34,20 @@ WATCH: dict[str, list[tuple[str, str | None]]] = {
     "02": [("minipaged.block_allocator", "BlockAllocator")],
     "03": [("minipaged.block_table", "BlockTable")],
     "04": [("minipaged.attention.reference", None), ("minipaged.attention.torch_sdpa", None),
-           ("minipaged.attention.triton_paged", None), ("minipaged.checks.paged_attention", "variant_attention")],
+           ("minipaged.attention.triton_paged", None), ("minipaged.checks.paged_attention", "variant_attention"),
+           # the CPU backend and its C kernels' Python faces: attention too (not watched in 07, whose engine runs them)
+           ("minipaged.cpu.attention", None), ("minipaged.cpu.kernels", None)],
+    # 08: minipaged's prefix cache and copy-on-write (its ROOT_HASH constant is given; fork_table is the check's)
+    "08": [("minipaged.prefix_cache", "PrefixCache"), ("minipaged.prefix_cache", "hash_block"),
+           ("minipaged.prefix_cache", "block_hashes"), ("minipaged.prefix_cache", "copy_on_write"),
+           ("minipaged.prefix_cache", "blocks_to_write"), ("minipaged.prefix_cache", "num_cow_blocks"),
+           ("minipaged.prefix_cache", "cache_computed_blocks")],
     "06": [("minipaged.scheduler", "Scheduler.add_request"), ("minipaged.scheduler", "Scheduler.schedule"),
            ("minipaged.scheduler", "Scheduler._preempt"), ("minipaged.scheduler", "Scheduler._why_never_fits")],
 }
 WATCH["05"] = WATCH["04"] + [("minipaged.checks.triton_decode", "_no_rescale")]
 # Workbook 07 serves with every part at once: nothing of the package's parts may run.
-WATCH["07"] = WATCH["02"] + WATCH["03"] + WATCH["04"] + WATCH["06"]
+WATCH["07"] = WATCH["02"] + WATCH["03"] + [w for w in WATCH["04"] if not w[0].startswith("minipaged.cpu.")] + WATCH["06"]
 
 
 def in_package(code: Any) -> bool:
@@ -182,13 +189,25 @@ class Guard:
         self.allowed: list = []  # objects the check handed over (e.g. a reference pool): their methods may run
         self.hit: str | None = None
         self.hit_in: str = ""
+        self.hit_why: str = ""  # set for a refused builtin: why it may not be called (not delegation)
+        self.refused: tuple = ()  # ((builtin function, name, why), ...): C functions the learner's code may not call
         self._hook_fn = self._hook  # one bound method, so that sys.getprofile() can be compared with it
 
     def allow(self, obj: Any) -> Any:
         self.allowed.append(obj)
         return obj
 
+    def refuse(self, fn: Any, name: str, why: str) -> None:
+        """Fail the check when the learner's code calls the C function ``fn`` (e.g. builtins.hash), saying ``why``."""
+        self.refused = self.refused + ((fn, name, why),)
+
     def _hook(self, frame, event, arg):  # noqa: ARG002
+        if event == "c_call" and self.refused and self.hit is None:
+            for fn, name, why in self.refused:
+                if arg is fn:
+                    self.hit, self.hit_why = name, why
+                    self.hit_in = f"{frame.f_code.co_name}(), line {frame.f_lineno}"
+            return
         if event != "call" or self.hit is not None:
             return
         code = frame.f_code
@@ -232,6 +251,11 @@ class Guard:
                     f"{self.workbook_name}: {what} changed sys.setprofile, which the check uses to see that your code "
                     "does not call minipaged's own implementation. Leave the profiler alone in your part."
                 )
+            if self.hit is not None and self.hit_why:
+                hit, where, why = self.hit, self.hit_in, self.hit_why
+                self.hit, self.hit_why = None, ""
+                raise CheckFailed(f"{self.workbook_name}: {what} called {hit}" + (f" (from {where})" if where else "")
+                                  + f": {why}")
             if self.hit is not None:
                 hit, where = self.hit, self.hit_in
                 self.hit = None

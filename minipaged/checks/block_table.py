@@ -338,6 +338,13 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
             r2.slots(0, 0, 9)
             r2.slots(1, 2, 5)
             r2.slots(0, 4, 9)
+            r5 = _Run(cls, 8, 4, 1, "a forked table (parts.fork_table) maps positions through the blocks it shares", stats)
+            r5.append(0, 6)
+            r5.fork(0)
+            r5.slots(1, 0, 6)
+            r5.append(1, 3)
+            r5.slots(1, 3, 9)
+            r5.slots(0, 0, 6)
             if part == "free":
                 r2.free(1)
                 r2.append(0, 8)

@@ -381,7 +381,10 @@ def grade_submission(sub: Submission, settings: Settings, siblings: list[Submiss
     else:
         code = out.returncode
         how = "os._exit() or a crash in your code" if code is not None and code >= 0 else f"signal {-code}"
-        if code is not None and code < 0 and -code == 9:
+        if out.extra.get("over_memory"):
+            how = ("killed: your run's processes together held more than the grader's %.1f GiB of memory"
+                   % (out.extra.get("tree_memory_bytes", settings.limits.memory_bytes) / 2**30))
+        elif code is not None and code < 0 and -code == 9:
             how = "killed (out of memory, most likely: the limit is %.0f GiB)" % (settings.limits.memory_bytes / 2**30)
         why = ("ERROR", f"the run ended before this check finished (exit status {code}: {how}"
                         + (f"; last in {last})" if last else ")"))
@@ -674,6 +677,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"grading {len(todo)} submission(s), {args.jobs} at a time, "
           + ("in bwrap sandboxes" if use_bwrap else "without a sandbox") + f" ({sandbox.resource_summary(limits)})",
           file=sys.stderr)
+    if use_bwrap and hasattr(os, "geteuid") and os.geteuid() == 0 and not sandbox.drops_root(True):
+        print("warning: learner code runs as root inside the sandbox: setpriv is missing, or user "
+              f"{sandbox.LEARNER_UID} cannot reach the interpreter ({sys.executable}) or the package; install Python "
+              "where every user can read it to run learners unprivileged", file=sys.stderr)
     package_digest = tree_digest(_PACKAGE)
     stop = threading.Event()
 

@@ -74,7 +74,7 @@ class Case:
 
 def make_case(name: str, focus: str, seqs: list, num_heads: int = 2, num_kv_heads: int = 1, head_dim: int = 8,
               block_size: int = 4, seed: int = 0, logit_scale: float = 1.0, in_order: bool = False,
-              spare_blocks: int = 3) -> Case:
+              spare_blocks: int = 3, scale: float | None = None) -> Case:
     """Random inputs for ``seqs`` = [(context_len, q_len), ...]; unused cache slots hold garbage."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-c // block_size) for c, _ in seqs]
@@ -99,7 +99,7 @@ def make_case(name: str, focus: str, seqs: list, num_heads: int = 2, num_kv_head
         k_cache = k_cache * logit_scale
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
     return Case(name, focus, q, k_cache, v_cache, tables, torch.tensor([c for c, _ in seqs], dtype=torch.int32), qsl,
-                1.0 / math.sqrt(head_dim), list(seqs))
+                1.0 / math.sqrt(head_dim) if scale is None else scale, list(seqs))
 
 
 # -- the reference with one mistake switched on (for hints only) ---------------------------------
@@ -289,6 +289,15 @@ def attention_cases(decode_only: bool = False) -> list[Case]:
     c.append(_signed_case("scores of both signs (-4 .. 4), so that 0 is a score like any other",
                           "masked keys are -inf, never 0: here 0 is a real score, larger than many.",
                           [(13, 1), (6, 1)] if decode_only else [(13, 5), (6, 6)], sign=0.0, seed=12, size=0.2))
+    c.append(make_case("a scale that is not 1/sqrt(head_dim) (0.9: some models scale otherwise)",
+                       "multiply the scores by the `scale` argument as given; never compute 1/sqrt(head_dim) yourself.",
+                       [(9, 1), (5, 1)] if decode_only else [(9, 3), (5, 5)], num_heads=2, num_kv_heads=1, head_dim=16,
+                       seed=15, scale=0.9))
+    c.append(make_case("block size 2 under 4 KV heads (more KV heads than slots in a block)",
+                       "the cache is (num_blocks, block_size, num_kv_heads, head_dim): block_size is shape[1], whatever "
+                       "the number of KV heads.",
+                       [(7, 1), (4, 1)] if decode_only else [(7, 2), (4, 4)], num_heads=8, num_kv_heads=4, head_dim=8,
+                       block_size=2, seed=16))
     seqs16 = [(15, 1), (16, 1), (17, 1), (32, 1), (33, 1), (5, 1)]
     c.append(make_case("block size 16: contexts 15, 16, 17, 32, 33 and 5 (on, before and past each block boundary)",
                        "a context of exactly n * block_size tokens uses n whole blocks; one more token opens block n + 1.",
@@ -381,7 +390,9 @@ def case_named(name: str, decode_only: bool = False) -> Case:
 def check_gather_kv(gather_kv: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """``gather_kv(cache, block_table_row, context_len)`` -> (context_len, num_kv_heads, head_dim)."""
     refuse_package_function(gather_kv, NAME, "gather_kv")
-    cases = [(5, True), (11, False), (8, False), (1, False), (16, False), (23, False)]
+    # (context_len, blocks in order, block_size, num_kv_heads): the last has more KV heads than slots in a block
+    cases = [(5, True, 4, 2), (11, False, 4, 2), (8, False, 4, 2), (1, False, 4, 2), (16, False, 4, 2), (23, False, 4, 2),
+             (7, False, 2, 4)]
     state = {"current": "gather_kv(...)"}
 
     def body():
@@ -389,8 +400,8 @@ def check_gather_kv(gather_kv: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> 
             _body()
 
     def _body():
-        for i, (ctx, in_order) in enumerate(cases):
-            case = make_case("gather", "", [(ctx, 1)], num_heads=2, num_kv_heads=2, head_dim=4, block_size=4,
+        for i, (ctx, in_order, bs, hkv) in enumerate(cases):
+            case = make_case("gather", "", [(ctx, 1)], num_heads=hkv, num_kv_heads=hkv, head_dim=4, block_size=bs,
                              seed=30 + i, in_order=in_order)
             row = case.block_tables[0]
             what = f"gather_kv(k_cache, block_table={row.tolist()}, context_len={ctx})"
@@ -425,7 +436,8 @@ def check_gather_kv(gather_kv: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> 
                               got="other values", hint=h)
 
     run_with_time_limit(body, timeout, NAME, lambda: state["current"])
-    passed(f"gather_kv: {len(cases)} block tables (in order, shuffled, exact block boundary, one token) matched the reference.")
+    passed(f"gather_kv: {len(cases)} block tables (in order, shuffled, exact block boundary, one token, more KV heads "
+           "than slots in a block) matched the reference.")
 
 
 def check_attention_fn(fn: Callable, name: str, cases: list, timeout: float, atol: float, rtol: float,
@@ -463,7 +475,7 @@ def check_paged_attention(paged_attention: Callable, timeout: float = DEFAULT_TI
     """``paged_attention`` with the reference signature, on prefill, decode, GQA, chunks and mixed batches."""
     n = check_attention_fn(paged_attention, NAME, attention_cases(), timeout, atol, rtol)
     passed(f"paged attention: {n} cases (prefill, decode, GQA, a chunk over a cached prefix, a mixed batch, huge logits, "
-           "random batches) matched the reference.")
+           "a scale of 0.9, block size 2 under 4 KV heads, random batches) matched the reference.")
 
 
 def check(gather_kv: Callable, paged_attention: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:

@@ -10,13 +10,15 @@ and a hint. Copy-on-write is checked on forked block tables the same way.
 """
 from __future__ import annotations
 
+import builtins
 import random
 from typing import Any, Callable
 
-from ..block_allocator import BlockAllocator
+from ..block_allocator import BlockAllocator, OutOfBlocksError
 from ..block_table import BlockTable
 from ..parts import fork_table
 from ..prefix_cache import ROOT_HASH, PrefixCache, copy_on_write as ref_copy_on_write
+from ._delegation import guarded
 from ._core import (
     DEFAULT_TIMEOUT_S,
     CheckFailed,
@@ -59,6 +61,13 @@ def check_hash_chain(cache_cls: type, timeout: float = DEFAULT_TIMEOUT_S) -> Non
     state = {"current": "creating your cache"}
 
     def body():
+        with guarded("08", NAME) as g:
+            g.refuse(builtins.hash, "Python's hash()",
+                     "its value for bytes and text changes from one process to the next (PYTHONHASHSEED), so a block "
+                     "cached by one process is never found by another. Use hashlib.sha256(...).digest().")
+            _body()
+
+    def _body():
         c = learner_call(cache_cls, BlockAllocator(4, 4), what=f"{cache_cls.__name__}(BlockAllocator(4, 4))")
 
         def h(parent, ids):
@@ -88,6 +97,14 @@ def check_hash_chain(cache_cls: type, timeout: float = DEFAULT_TIMEOUT_S) -> Non
              "encode the token ids in order (a sum or a set of them loses the order)."),
             ("token ids whose digits run together", (ROOT_HASH, [1, 23]), (ROOT_HASH, [12, 3]), False,
              "separate the token ids when you turn them into bytes: str([1, 23]) or struct.pack, not ''.join."),
+            ("token ids 256 apart (a real vocabulary has 50,000 ids and more)", (ROOT_HASH, [1, 2, 3, 4]),
+             (ROOT_HASH, [257, 2, 3, 4]), False,
+             "every token id must go in whole: one byte per id (bytes(ids), % 256) cannot tell 1 from 257. "
+             "Use str(list(ids)).encode() or struct.pack with 4 or 8 bytes per id."),
+            ("token ids 65,536 apart", (ROOT_HASH, [70_000, 5]), (ROOT_HASH, [70_000 - 65_536, 5]), False,
+             "every token id must go in whole: two bytes per id cannot tell 4464 from 70000 (vocabularies reach 150,000)."),
+            ("large token ids, the same twice", (ROOT_HASH, [151_000, 99_999, 3, 4]), (ROOT_HASH, [151_000, 99_999, 3, 4]), True,
+             "a hash must depend only on its inputs, for token ids of any size."),
         ]
         for what, x, y, same, hint in cases:
             hx, hy = h(*x), h(*y)
@@ -98,7 +115,8 @@ def check_hash_chain(cache_cls: type, timeout: float = DEFAULT_TIMEOUT_S) -> Non
                     done=f"c.hash_block({_short(x[0])}, {x[1]}) -> {_short(hx)}\nc.hash_block({_short(y[0])}, {y[1]}) -> {_short(hy)}",
                     expected="equal hashes" if same else "different hashes", got="equal" if not same else "different",
                     hint=hint)
-        passed(f"hash chain: {n} pairs of blocks, each hashed as the rules say (stable, chained to the parent, every token in order).")
+        passed(f"hash chain: {n} pairs of blocks, each hashed as the rules say (the same inputs give the same hash, without "
+               "Python's hash(), which differs between processes; chained to the parent; every token id, of any size, in order).")
 
     run_with_time_limit(body, timeout, NAME, lambda: state["current"])
 
@@ -211,6 +229,8 @@ class _Run:
                 "blocks cached by cache_blocks() must be found.")
 
     def allocate(self, blocks: list[int]) -> None:
+        # what was cached BEFORE the reference's allocate(), which may evict the very block it returns
+        cached_before = {b for b in range(self.num_blocks) if self.ref.is_cached(b)}
         exp = self.ref.allocate()
         got = self.call(self.mine.allocate, what="c.allocate()")
         self.log.add(f"c.allocate()  # -> {exp} expected")
@@ -219,7 +239,7 @@ class _Run:
             if rc:
                 hint = (f"block {got} is still held by {rc} block table(s): only a cached block at ref count 0 may be "
                         "evicted. Keep the evictable blocks (cached, ref count 0) apart from the ones in use.")
-            elif isinstance(got, int) and 0 <= got < self.num_blocks and self.ref.is_cached(got) and not self.ref.is_cached(exp):
+            elif isinstance(got, int) and 0 <= got < self.num_blocks and got in cached_before and exp not in cached_before:
                 hint = ("a never-cached free block was available: hand those out first (the inner pool's allocate()), "
                         "and evict a cached block only when the inner pool is empty.")
             else:
@@ -256,6 +276,32 @@ class _Run:
             self.log.add(f"c.free({b})" + ("  # cached: stays findable" if cached else ""))
             self.compare(f"c.free({b})" + (" of a cached block" if cached else ""), op="free")
         self.stats["ops"] += 1
+
+    def full_pool(self) -> None:
+        """allocate() while every block is held by a table: OutOfBlocksError, and nothing changes."""
+        if self.ref.num_free_blocks:
+            return
+        self.log.add("c.allocate()  # every block is held by a table: must raise OutOfBlocksError")
+        try:
+            got = self.call(self.mine.allocate, what="c.allocate()")
+        except CheckFailed as e:
+            cause = e.__cause__
+            if cause is None:
+                raise
+            if not isinstance(cause, OutOfBlocksError):
+                raise self.fail(f"c.allocate() with every block held raised {type(cause).__name__}, not OutOfBlocksError.",
+                                expected="OutOfBlocksError (from minipaged import OutOfBlocksError)",
+                                got=f"{type(cause).__name__}: {cause}",
+                                hint="when the inner pool has no free block and no cached block is evictable, raise "
+                                     "OutOfBlocksError: the scheduler catches it to preempt.") from None
+            self.stats["ops"] += 1
+            self.compare("c.allocate() on a full pool (which must change nothing)", op="misuse",
+                         hint="check that a block can be handed out before changing anything.")
+            return
+        raise self.fail("c.allocate() with every block held by a table did not raise.",
+                        expected="OutOfBlocksError", got=f"block {got!r}",
+                        hint="a block a table holds is never handed out again: with no free and no evictable block, "
+                             "raise OutOfBlocksError.")
 
     def double_free(self, rng: random.Random) -> None:
         idle = self.ref.evictable()
@@ -304,6 +350,13 @@ def _scenarios(cls, stats) -> None:
     r.admit([5, 6, 7, 8, 1])
     r.admit([1, 2, 3, 4, 9])
     r.double_free(random.Random(0))
+    r = _Run(cls, 2, 2, "every block held by a table: allocate() raises OutOfBlocksError", stats)
+    r.admit([1, 2, 3])
+    r.full_pool()
+    r = _Run(cls, 8, 4, "token ids of a real vocabulary (up to 151,000), two prompts sharing a block", stats)
+    r.admit([151_000, 2, 70_000, 4, 65_537, 6])
+    r.admit([151_000, 2, 70_000, 4, 1, 6, 9])
+    r.admit([151_000, 2, 70_000, 260, 1])
 
 
 def check_lookup_and_eviction(cache_cls: type, seed: int = 0, runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -312,6 +365,10 @@ def check_lookup_and_eviction(cache_cls: type, seed: int = 0, runs: int = 25, ti
     stats = {"ops": 0, "runs": 0, "current": "creating the cache"}
 
     def body():
+        with guarded("08", NAME):
+            _body()
+
+    def _body():
         _scenarios(cache_cls, stats)
         rng = random.Random(seed)
         for i in range(runs):
@@ -359,16 +416,40 @@ def check_copy_on_write(cow_fn: Callable, seed: int = 0, runs: int = 40, timeout
         for (ti, start, end) in writes:
             what = f"copy_on_write({'parent' if ti == 0 else f'children[{ti - 1}]'}, {start}, {end})"
             state["current"] = f"{what}  ({label})"
-            exp = ref_copy_on_write(rt[ti], start, end)
-            got = learner_call(cow_fn, mt[ti], start, end, what=what, context=lambda: log.render())
-            log.add(f"{what}  # -> {exp} expected")
+            try:
+                exp = ref_copy_on_write(rt[ti], start, end)
+            except OutOfBlocksError:
+                exp = None  # the pool is short: all or nothing
+            if exp is None:
+                log.add(f"{what}  # {rp.num_free_blocks} free block(s), fewer than the copies needed: "
+                        "must raise OutOfBlocksError and change nothing")
+                try:
+                    got = learner_call(cow_fn, mt[ti], start, end, what=what, context=lambda: log.render())
+                except CheckFailed as e:
+                    if not isinstance(e.__cause__, OutOfBlocksError):
+                        raise
+                    got = None
+                else:
+                    raise failure(f"{NAME}: {what} did not raise, but the pool has too few free blocks for its copies.",
+                                  done=f"Run: {label}.\n" + log.render(), expected="OutOfBlocksError, with nothing changed",
+                                  got=f"it returned {got!r}",
+                                  hint="all or nothing: count the shared blocks the write touches first; if the pool has "
+                                       "fewer free blocks, raise OutOfBlocksError before replacing any.")
+            else:
+                got = learner_call(cow_fn, mt[ti], start, end, what=what, context=lambda: log.render())
+                log.add(f"{what}  # -> {exp} expected")
             got_l = [tuple(p) for p in got] if isinstance(got, (list, tuple)) else got
             ctx = f"Run: {label}.\n" + log.render()
             exp_rc = [rp.ref_count(b) for b in range(num_blocks)]
             got_rc = [mp.ref_count(b) for b in range(num_blocks)]
             if [t.blocks for t in mt] != [t.blocks for t in rt] or got_rc != exp_rc:
                 bad = next(i for i in range(len(rt)) if mt[i].blocks != rt[i].blocks) if [t.blocks for t in mt] != [t.blocks for t in rt] else None
-                if exp and got_l == []:
+                if end <= start:
+                    hint = ("a write of no positions (start == end) touches no block: copy nothing, return [].")
+                elif exp is None:
+                    hint = ("all or nothing: when the pool has fewer free blocks than the copies needed, raise "
+                            "OutOfBlocksError BEFORE replacing any block (count the shared blocks first).")
+                elif exp and got_l == []:
                     hint = ("the write touches a block that another table shares (ref count > 1): writing into it "
                             "would change the other sequence too. Take a fresh block, put it in the table in place of "
                             "the shared one, and free() the shared one (its other holders keep it).")
@@ -384,16 +465,21 @@ def check_copy_on_write(cow_fn: Callable, seed: int = 0, runs: int = 40, timeout
                               expected=f"tables {[t.blocks for t in rt]}, ref counts {exp_rc}",
                               got=f"tables {[t.blocks for t in mt]}, ref counts {got_rc}"
                                   + (f" (table {bad} first)" if bad is not None else ""), hint=hint)
-            if got_l != exp:
+            if exp is not None and got_l != exp:
                 raise failure(f"{NAME}: {what} returned other (src, dst) pairs.", done=ctx, expected=repr(exp), got=repr(got_l),
                               hint="return one (shared block, its fresh copy) pair per replaced block, in table order: "
                                    "the engine copies their K/V before the step writes.")
             state["n"] += 1
 
     def body():
-        one("a child writes into the shared partial block", 6, 4, 6, 1, [(1, 6, 7), (0, 6, 7)])
+        with guarded("08", NAME):
+            _body()
+
+    def _body():
+        one("a child writes into the shared partial block", 6, 4, 6, 1, [(1, 5, 5), (1, 6, 7), (0, 6, 7)])
         one("a write into blocks held alone copies nothing", 6, 4, 6, 0, [(0, 6, 8)])
         one("a write that spans a shared block and new ones", 8, 2, 3, 2, [(2, 3, 4), (1, 2, 6)])
+        one("the pool is short: 2 shared blocks to copy, 1 free block", 3, 2, 4, 1, [(1, 0, 4), (1, 2, 4), (0, 0, 2)])
         rng = random.Random(seed)
         for i in range(runs):
             bs = rng.choice([1, 2, 4])

@@ -35,6 +35,7 @@ class Limits:
     file_bytes: int = 64 * 2**20  # RLIMIT_FSIZE: any one file the run writes
     procs: int = 256  # RLIMIT_NPROC, on top of what the user runs already (not enforced for root)
     disk_bytes: int = 512 * 2**20  # with bwrap: all the run writes (its /tmp, its copy, /dev/shm) is in tmpfs this size
+    tree_memory_bytes: int = 0  # resident memory of the run's whole process tree (every fork); 0: memory_bytes
     output_bytes: int = 256 * 2**10  # of stdout and stderr kept; the rest is read and dropped
     result_bytes: int = 4 * 2**20  # of the result channel kept
 
@@ -102,6 +103,33 @@ def _needed_paths() -> list[str]:
     return sorted(paths)
 
 
+LEARNER_UID = LEARNER_GID = 65534  # "nobody": who learner code runs as inside bwrap when the grader is root
+
+
+@functools.lru_cache(maxsize=1)
+def _setpriv() -> str | None:
+    """setpriv (util-linux), to start bwrap as LEARNER_UID when the grader runs as root, if it works here."""
+    import shutil
+
+    exe = shutil.which("setpriv")
+    if exe is None or bwrap_path() is None:
+        return None
+    try:
+        # the unprivileged user must reach the interpreter and the package (a venv under a 0700 /root cannot be)
+        r = subprocess.run([exe, "--reuid", str(LEARNER_UID), "--regid", str(LEARNER_GID), "--clear-groups",
+                            bwrap_path(), "--ro-bind", "/", "/", "--unshare-all", "--", sys.executable, "-I", "-c",
+                            f"import os; os.listdir({_PACKAGE_PARENT!r}); open({_HARNESS!r}).read()"],
+                           capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return exe if r.returncode == 0 else None
+
+
+def drops_root(use_bwrap: bool) -> bool:
+    """True when this run's learner code runs as LEARNER_UID, not as the grader's root."""
+    return use_bwrap and hasattr(os, "geteuid") and os.geteuid() == 0 and _setpriv() is not None
+
+
 def command(workdir: Path, *, use_bwrap: bool, hide: list[str], env: dict, limits: Limits, procs: int) -> list[str]:
     cpu = limits.cpu_s or int(2 * limits.wall_s) + 1
     # the harness as a script: compiled from its source, never from a __pycache__ a learner could have written
@@ -128,6 +156,10 @@ def command(workdir: Path, *, use_bwrap: bool, hide: list[str], env: dict, limit
         for k, v in env.items():
             b += ["--setenv", k, v]
         inner = b + ["--"] + python
+        if drops_root(use_bwrap):
+            # never root inside: bwrap itself starts as an unprivileged user (root's files, /etc/shadow included,
+            # are then out of reach), in a user namespace of its own
+            inner = [_setpriv(), "--reuid", str(LEARNER_UID), "--regid", str(LEARNER_GID), "--clear-groups"] + inner
     return [sys.executable, "-I", "-c", _LAUNCHER, str(limits.memory_bytes), str(cpu), str(limits.file_bytes),
             str(procs), "0", *inner]
 
@@ -187,7 +219,23 @@ def run(job: bytes, workdir: Path, *, use_bwrap: bool, limits: Limits, hide: lis
     base = procs_base if procs_base is not None else _user_tasks()
     inner_dir = SANDBOX_DIR if use_bwrap else str(workdir)
     env = environment(inner_dir, use_bwrap=use_bwrap)
-    cmd = command(workdir, use_bwrap=use_bwrap, hide=list(hide), env=env, limits=limits, procs=base + limits.procs)
+    staged = None
+    if drops_root(use_bwrap):
+        # the learner's copy, where the unprivileged user bwrap runs as can read it (workdir's parents may be 0700)
+        import shutil
+        import tempfile
+
+        staged = Path(tempfile.mkdtemp(prefix="minipaged-learner-"))
+        for f in Path(workdir).iterdir():
+            if f.is_file() and not f.is_symlink():
+                shutil.copyfile(f, staged / f.name)
+                os.chown(staged / f.name, LEARNER_UID, LEARNER_GID)
+        os.chown(staged, LEARNER_UID, LEARNER_GID)
+        os.chmod(staged, 0o700)
+    cmd = command(staged or workdir, use_bwrap=use_bwrap, hide=list(hide), env=env, limits=limits,
+                  procs=base + limits.procs)
+    tree_cap = limits.tree_memory_bytes or limits.memory_bytes
+    over_memory = False
     t0 = time.monotonic()
     log_r, log_w = os.pipe()
     try:
@@ -220,16 +268,66 @@ def run(job: bytes, workdir: Path, *, use_bwrap: bool, limits: Limits, hide: lis
                 timed_out = True
                 _kill_group(proc, limits.grace_s)
                 break
+            if session_rss(proc.pid) > tree_cap:  # RLIMIT_AS is per process: forks could each take all of it
+                over_memory = True
+                _end_group(proc.pid)
+                proc.wait()
+                break
     _end_group(proc.pid)  # what the run left behind in its session (a forked child) ends with it
     for t in readers:
         t.join(timeout=limits.grace_s + 5)
     if proc.poll() is None:  # a reader still blocked: something in the group kept a pipe open
         _kill_group(proc, 0)
     _RUNS_NOW.discard(proc.pid)
+    if staged is not None:
+        import shutil
+
+        shutil.rmtree(staged, ignore_errors=True)
     wall = time.monotonic() - t0
     data = b"".join(lines_raw)
     return Outcome(lines=data.split(b"\n"), output=b"".join(output).decode("utf-8", "replace"),
-                   returncode=proc.returncode, timed_out=timed_out, wall_s=wall, bwrap=use_bwrap)
+                   returncode=proc.returncode, timed_out=timed_out, wall_s=wall, bwrap=use_bwrap,
+                   extra={"over_memory": over_memory, "tree_memory_bytes": tree_cap})
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def session_rss(sid: int) -> int:
+    """Resident bytes of the run's whole process tree: every descendant of ``sid`` (bwrap's namespaces included,
+    whatever session they moved to) and every process still in session ``sid`` (an orphaned fork)."""
+    parent: dict[int, int] = {}
+    session: set[int] = set()
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+            parent[int(d)] = int(fields[1])
+            if int(fields[3]) == sid:
+                session.add(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    tree = session | {sid}
+    todo = list(tree)
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in tree:
+                tree.add(c)
+                todo.append(c)
+    tree.discard(os.getpid())
+    total = 0
+    for pid in tree:
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                total += int(f.read().split()[1]) * _PAGE
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 
 
 def _end_group(sid: int) -> None:
@@ -268,7 +366,9 @@ def _kill_group(proc: subprocess.Popen, grace: float) -> None:
 
 
 def resource_summary(limits: Limits) -> str:
-    return (f"{limits.memory_bytes / 2**30:.1f} GiB address space, {limits.cpu_s or int(2 * limits.wall_s) + 1} s CPU, "
+    return (f"{limits.memory_bytes / 2**30:.1f} GiB address space per process, "
+            f"{(limits.tree_memory_bytes or limits.memory_bytes) / 2**30:.1f} GiB resident for the whole run, "
+            f"{limits.cpu_s or int(2 * limits.wall_s) + 1} s CPU, "
             f"{limits.file_bytes // 2**20} MiB per file, {limits.wall_s:.0f} s wall clock")
 
 

@@ -276,10 +276,20 @@ class _Sim:
         if len(self.mine.running) > cfg.max_num_seqs:
             return (f"{len(self.mine.running)} sequences run, more than max_num_seqs={cfg.max_num_seqs}: admit only while "
                     "len(self.running) < self.max_num_seqs.")
+        m_run = [getattr(x, "seq_id", x) for x in self.mine.running]
+        if exp_pre and not got_pre and all(i not in m_run and i in self.my_seqs
+                                           and self.my_seqs[i].status == self.ref_seqs[i].status for i in exp_pre):
+            # the right sequences left self.running: the preemption happened, only its record is missing
+            return (f"you preempted the right sequence(s) ({fmt_list('r' + str(i) for i in exp_pre)} left self.running, as in "
+                    "the reference), but out.preempted is empty: append each preempted sequence to out.preempted "
+                    "(the engine reads it, and no one is admitted in a step whose out.preempted is not empty).")
         if exp_pre and not got_pre:
             return ("a running sequence needed a new block and none was free, so the reference preempted. Before "
                     "table.append_tokens(n): while table.blocks_needed(n) > allocator.num_free_blocks, preempt self.running[-1] "
                     "(the most recently admitted; it may be the sequence itself, then stop scheduling running ones).")
+        if exp_pre != got_pre and got_pre and sorted(exp_pre) == sorted(set(got_pre)):
+            return (f"out.preempted should list {fmt_list('r' + str(i) for i in exp_pre)}: each preempted sequence once, in "
+                    "the order they were preempted.")
         if exp_pre != got_pre and got_pre:
             return ("preempt the most recently admitted running sequence, self.running[-1] (vLLM's choice: it has the least "
                     "work done, and older requests keep their place), and only as many as it takes for the blocks to fit.")
@@ -331,7 +341,7 @@ class _Sim:
             rb = None if r.block_table is None else list(r.block_table.blocks)
             mb = None if m.block_table is None else list(getattr(m.block_table, "blocks", []))
             for what, a, b in (("status", r.status, m.status), ("num_computed_tokens", r.num_computed_tokens, m.num_computed_tokens),
-                               ("blocks", rb, mb)):
+                               ("blocks", rb, mb), ("num_preemptions", r.num_preemptions, getattr(m, "num_preemptions", None))):
                 if a != b:
                     problems.append((f"r{rid}.{what}", str(a.value if hasattr(a, "value") else a),
                                      str(b.value if hasattr(b, "value") else b)))
@@ -339,8 +349,17 @@ class _Sim:
                         hint = (f"r{rid} was preempted: its KV is gone with its blocks, so num_computed_tokens goes back to 0 "
                                 "(it will be recomputed from the start), status to WAITING, and it goes to the FRONT of the "
                                 "waiting queue (appendleft).")
+                    if not hint and what == "num_preemptions":
+                        hint = (f"_preempt(seq) adds 1 to seq.num_preemptions (r{rid} has been preempted {a} time(s)) and "
+                                "1 to the scheduler's self.num_preemptions.")
                     if not hint and what == "blocks" and a is None and b is not None:
                         hint = (f"r{rid} holds blocks {b} but should hold none: set seq.block_table = None after freeing it.")
+        rp, mp = self.ref.num_preemptions, getattr(self.mine, "num_preemptions", None)
+        if rp != mp:
+            problems.append(("scheduler.num_preemptions", str(rp), repr(mp)))
+            if not hint:
+                hint = ("_preempt(seq) adds 1 to the scheduler's self.num_preemptions (the engine reports it) as well as "
+                        "to seq.num_preemptions.")
         rf, mf = self.ref.allocator.num_free_blocks, self.my_pool.num_free_blocks
         if rf != mf:
             problems.append(("free blocks", str(rf), str(mf)))
@@ -376,6 +395,9 @@ def _fixed(part: str) -> list[tuple[str, Config, list[tuple[int, int, int, int]]
             # r1 (4 blocks) does not fit the 2 free blocks, r2 (1 block) would: first come, first served admits neither
             ("the head of the queue does not fit: nobody behind it skips ahead", Config(6, 4, 4, 64),
              [(0, 0, 12, 6), (1, 1, 16, 2), (1, 2, 3, 2)]),
+            # 4 running sequences, a budget of 3 tokens a step: the budget runs out inside the running queue
+            ("a token budget smaller than the running batch (max_num_batched_tokens=3, 4 requests)", Config(32, 4, 4, 3),
+             [(0, 0, 2, 5), (0, 1, 2, 5), (0, 2, 2, 5), (0, 3, 2, 5)]),
         ]
     if part == "preemption":
         runs += [

@@ -85,6 +85,8 @@ class GoodPrefixCache:
 
 def shared_blocks(table, start, end):
     pool, bs = table.allocator, table.block_size
+    if end <= start:
+        return []  # a write of no positions touches no block
     last = min((end - 1) // bs, len(table.blocks) - 1)
     return [i for i in range(start // bs, last + 1) if pool.ref_count(table.blocks[i]) > 1]
 

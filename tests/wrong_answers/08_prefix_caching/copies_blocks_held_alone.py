@@ -8,4 +8,4 @@ from _base import good_copy_on_write
 def my_copy_on_write(table, start, end):
     bs = table.block_size
     return good_copy_on_write(table, start, end,
-                              shared=lambda t, s, e: list(range(s // bs, min((e - 1) // bs, len(t.blocks) - 1) + 1)))
+                              shared=lambda t, s, e: list(range(s // bs, min((e - 1) // bs, len(t.blocks) - 1) + 1)) if e > s else [])
