@@ -63,7 +63,10 @@ def main(argv=None) -> int:
     kw = plain_route_kwargs()
     llm = LLM(max_num_seqs=64, **kw)
     batches = [int(b) for b in a.batches.split(",")]
-    measured = {b: measure_step(llm, b, a.prompt_len, a.tokens) for b in batches}
+    measured = {}
+    for b in batches:  # printed as it goes: on a loaded machine the large batches take minutes
+        measured[b] = measure_step(llm, b, a.prompt_len, a.tokens)
+        print(f"measured batch {b}: {measured[b] * 1e3:.2f} ms per decode step", flush=True)
     ctx = a.prompt_len + a.tokens // 2
     roof = StepCostModel("a100-40gb", "smollm2-135m", Calibration(1.0, 1.0, 0.0, 0.0), bandwidth=bw, peak_flops=fl,
                          dtype_bytes=4)

@@ -9,8 +9,8 @@ import pytest
 from minipaged.bench.gpu.cost import Calibration, StepCostModel, activation_reserve_bytes, memory_plan
 from minipaged.bench.gpu.datasets import poisson_arrivals, sample_lengths
 from minipaged.bench.gpu.paper import format_table, max_rate_from_curve, paper_checks, readme_block
-from minipaged.bench.gpu.policies import ContiguousSpans, Reservation, ReservingScheduler, next_pow2
-from minipaged.bench.gpu.simulator import build_scheduler, run
+from minipaged.bench.gpu.policies import BuddySpans, ContiguousSpans, Reservation, ReservingScheduler, next_pow2
+from minipaged.bench.gpu.simulator import LengthStop, build_scheduler, run
 from minipaged.bench.gpu.specs import GPUS, MODELS, get_gpu, get_model
 from minipaged.sequence import Sequence
 
@@ -132,16 +132,35 @@ def test_contiguous_spans_leave_holes_a_larger_request_cannot_use():
     assert s.free == [[0, 100]] and s.place(100) == 0
 
 
-def _reserving(kind, capacity=1000, static=False):
+def test_buddy_placement_rounds_up_to_a_power_of_two_and_merges_only_buddies():
+    b = BuddySpans(15_455)  # OPT-13B's KV room on an A100-40GB: arenas 8192 + 4096 + 2048 + 1024 + ...
+    assert [o for _, _, o in b.arena_order][:4] == [13, 12, 11, 10]
+    starts = [b.place(2048) for _ in range(8)]
+    assert None not in starts[:7] and starts[7] is None  # 7 max-length reservations, as 15455 // 2048
+    small = BuddySpans(1024)
+    a, c = small.place(300), small.place(300)  # each takes 512: two fill the arena
+    assert (a, c) == (0, 512) and small.place(1) is None
+    small.release(a, 300)
+    d = small.place(100)  # 128 split off the freed 512
+    assert d == 0 and small.largest_hole == 256
+    small.release(c, 300)
+    small.release(d, 100)  # everything merges back into one block
+    assert small.free[10] == [0] and small.place(1024) == 0
+
+
+def _reserving(kind, capacity=1000, static=False, placement="buddy"):
     return build_scheduler({"max": "orca_max", "pow2": "orca_pow2", "oracle": "orca_oracle"}[kind] if not static
-                           else "fastertransformer", capacity, block_size=16, max_len=512)
+                           else "fastertransformer", capacity, block_size=16, max_len=512, placement=placement)
 
 
-@pytest.mark.parametrize("kind,fits", [("max", 2), ("pow2", 4), ("oracle", 4)])
-def test_a_reserving_scheduler_admits_only_what_its_reservations_fit(kind, fits):
-    # 1,100 slots; each request: prompt 200, output 60 -> max reserves 512, pow2 264, oracle 260
-    sched = _reserving(kind, capacity=1100)
-    seqs = [Sequence(i, [0] * 200, max_tokens=60, ignore_eos=True) for i in range(6)]
+@pytest.mark.parametrize("kind,placement,fits", [("max", "first_fit", 2), ("pow2", "first_fit", 4),
+                                                 ("oracle", "first_fit", 4), ("max", "buddy", 2),
+                                                 ("pow2", "buddy", 2), ("oracle", "buddy", 4)])
+def test_a_reserving_scheduler_admits_only_what_its_reservations_fit(kind, placement, fits):
+    # 1,100 slots; each request: prompt 200, output 50 -> max reserves 512, pow2 264, oracle 250;
+    # a buddy placement rounds those up to 512, 512 and 256 in its 1,024-slot arena
+    sched = _reserving(kind, capacity=1100, placement=placement)
+    seqs = [Sequence(i, [0] * 200, max_tokens=50, ignore_eos=True) for i in range(6)]
     for s in seqs:
         assert sched.add_request(s)
     out = sched.schedule()
@@ -208,6 +227,66 @@ def test_latency_rises_with_the_request_rate():
     assert hi.mean_batched_requests > lo.mean_batched_requests
 
 
+def test_the_length_stop_rule_ends_a_request_where_the_schedulers_stop_checker_would():
+    from minipaged.detokenizer import StopChecker
+
+    for prompt, out, max_len in ((10, 5, None), (10, 5, 12), (100, 50, 150), (3, 1, 8)):
+        a = Sequence(0, [0] * prompt, max_tokens=out, ignore_eos=True)
+        b = Sequence(1, [0] * prompt, max_tokens=out, ignore_eos=True)
+        a.stop_checker, b.stop_checker = LengthStop(a, max_len), StopChecker.for_sequence(b, max_model_len=max_len)
+        steps = []
+        for seq in (a, b):
+            n = 0
+            while seq.finish_reason is None:
+                seq.append_token(1)
+                n += 1
+            steps.append((n, seq.finish_reason))
+        assert steps[0] == steps[1], (prompt, out, max_len)
+    s = Sequence(0, [0] * 4, max_tokens=10, ignore_eos=True)
+    s.stop_checker = LengthStop(s)
+    s.stop_checker.advance(9)
+    assert s.num_tokens == 13 and s.stop_checker.remaining == 1
+    with pytest.raises(ValueError):
+        s.stop_checker.advance(1)  # that token would finish it: a step must take it
+
+
+class _CountingScheduler:
+    """Any scheduler, counting the steps it is asked to schedule."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def schedule(self):
+        self.calls += 1
+        return self.inner.schedule()
+
+
+@pytest.mark.parametrize("system,rate,kv", [("vllm", 2.0, 40_000), ("vllm", 8.0, 2000), ("orca_oracle", 8.0, 2000),
+                                            ("orca_pow2", 1.0, 2000), ("orca_max", 8.0, 2000),
+                                            ("fastertransformer", 2.0, 2000)])
+def test_skipping_ahead_gives_exactly_the_step_by_step_result(system, rate, kv):
+    # light load (arrivals end windows), heavy load (a blocked queue; vLLM preempts), each policy
+    reqs = sample_lengths("sharegpt", 60, max_len=512, seed=11)
+    arr = poisson_arrivals(60, rate, seed=11)
+    got = {}
+    for skip in (False, True):
+        sched = _CountingScheduler(build_scheduler(system, kv, block_size=16, max_len=512))
+        r = run(sched, reqs, arr, StepCostModel("a100-40gb", "opt-13b"), system, rate, keep_batches=True,
+                skip_ahead=skip)
+        got[skip] = (r, sched.calls)
+    (a, calls_a), (b, calls_b) = got[False], got[True]
+    assert a.batch_sizes == b.batch_sizes and a.num_steps == b.num_steps == len(a.batch_sizes)
+    assert a.finish_times == b.finish_times  # float for float: the same step times added in the same order
+    assert (a.num_preemptions, a.normalized_latency, a.mean_batched_requests) == \
+        (b.num_preemptions, b.normalized_latency, b.mean_batched_requests)
+    assert calls_a == a.num_steps and calls_b < calls_a / 2  # most steps were skipped, not scheduled
+    if (system, kv) == ("vllm", 2000):
+        assert a.num_preemptions > 0
+
+
 def test_learner_style_lean_parts_drive_the_simulation_to_the_reference_result():
     lean = pytest.importorskip("test_contracts")
     pool = {"allocator_cls": lean.LeanAllocator, "block_table_cls": lean.LeanTable}
@@ -246,7 +325,26 @@ def test_paper_checks_and_tables_read_the_result():
     c = paper_checks(res)
     assert c["fig13_orca_max"]["within_25pct"] and not c["fig13_orca_oracle"]["within_25pct"]
     assert c["vllm_over_orca_max"]["holds"] and c["vllm_over_orca_oracle"]["holds"]
-    assert "| orca_max | 0.500 | 4.0x | 7.10 | - |" in readme_block(res)
-    assert "| orca_max | 0.500 | 4.0x | 7.10 | 7.00 |" in readme_block(
-        {**res, "paper": {"fig13_mean_batched_requests": {"orca_max": 7.0}}})
+    assert "| orca_max | 0.500 | 4.0x | - | 7.10 | - |" in readme_block(res)
+    assert "| orca_max | 0.500 | 4.0x | 2.7-8x | 7.10 | 7.00 |" in readme_block(
+        {**res, "paper": {"fig13_mean_batched_requests": {"orca_max": 7.0}, "vllm_max_rate_over": {"orca_max": [2.7, 8]}}})
+    assert "1.90x / 3.80x at 0.1 s/token" in readme_block(
+        {**res, "ratios_by_threshold": {"0.1": {"vllm_over_orca_oracle": 1.9, "vllm_over_orca_max": 3.8}}})
     assert "4.00x" in format_table(res)
+
+
+def test_the_seed_scenario_reproduces_what_holds_and_says_why_the_rest_cannot():
+    from minipaged.bench.gpu.seed import bandwidth_bound_tok_s, format_seed_table, seed_scenario
+
+    res = seed_scenario(n=200)
+    rows = {r["claim"]: r for r in res["rows"]}
+    assert abs(rows["model weights (GB)"]["simulated"] - 14) < 1 and abs(rows["KV room (GB)"]["simulated"] - 24) < 2
+    assert rows["contiguous sequences (2,048 reserved each)"]["simulated"] == 23  # not 9
+    # one sequence at a time cannot beat the weights' read at full bandwidth: 840 tok/s is out of reach
+    ceiling = bandwidth_bound_tok_s(1)
+    assert ceiling < 840 / 5 and rows["naive serving (tok/s)"]["simulated"] < ceiling
+    assert rows["naive serving (tok/s)"]["verdict"] == "unreachable"
+    st, co = rows["static batching (tok/s)"], rows["continuous batching (tok/s)"]
+    assert co["simulated_sharegpt"] > 1.5 * st["simulated_sharegpt"]  # paging pays with varied lengths
+    assert rows["paged sequences, ShareGPT lengths"]["simulated"] > 23  # more than the reservations
+    assert "unreachable" in format_seed_table(res)

@@ -168,6 +168,13 @@ class StepCostModel:
             ctx += start + n
             pairs += n * start + n * (n + 1) // 2
             seqs += 1
+        return self.cost_of_totals(tokens, ctx, pairs, seqs)
+
+    def cost_of_totals(self, tokens: int, ctx: int, pairs: int, seqs: int) -> StepCost:
+        """The cost of a step from its totals: new ``tokens``, the contexts read (``ctx``, the sum
+        of ``start + num_new``), the (query, key) ``pairs`` attended and the ``seqs`` scheduled.
+        :meth:`cost` sums a step's pairs into these; the simulator's skip-ahead calls this
+        directly for decode-only steps (the same integers give the same floats)."""
         if seqs == 0:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
         nbytes = self.weight_read + (ctx + tokens) * self.kv_per_token
@@ -178,6 +185,11 @@ class StepCostModel:
     def step_time(self, step: Iterable[tuple[int, int]]) -> float:
         """Seconds for one step of ``(start, num_new)`` pairs."""
         return self.cost(step).seconds
+
+    def decode_totals_time(self, seqs: int, ctx: int) -> float:
+        """Seconds for a decode-only step of ``seqs`` sequences whose contexts sum to ``ctx``
+        (each reads ``start + 1`` keys: its ``pairs`` equal its context)."""
+        return self.cost_of_totals(seqs, ctx, ctx, seqs).seconds
 
     def decode_time(self, batch: int, context: int) -> float:
         """Seconds for a pure decode step of ``batch`` sequences with ``context`` tokens each."""

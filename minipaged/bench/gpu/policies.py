@@ -16,10 +16,13 @@ request only when the request's reservation fits beside those already held, in a
 The wrapped scheduler then runs as usual (iteration-level batching, its token budget), on a
 pool given one spare block per sequence, so the reservation is the only memory limit.
 
-A reservation is a *contiguous* span of the cache's token slots, placed first-fit
-(:class:`ContiguousSpans`), as a contiguous KV cache must be: freed spans of different sizes
-leave holes that a later, larger reservation cannot use (external fragmentation, the third
-kind of waste of the paper's Fig. 2). ``contiguous=False`` counts only the total reserved.
+A reservation is a *contiguous* span of the cache's token slots, as a contiguous KV cache
+must be. Where it goes is the placement: ``buddy`` (the default, :class:`BuddySpans`), the
+paper's stated assumption for its Orca (§6.1), rounds each span up to a power of two and
+merges only buddies; ``first_fit`` (:class:`ContiguousSpans`) places the exact size in the
+first hole large enough. Either way freed spans leave holes that a later, larger reservation
+cannot use (external fragmentation, the third kind of waste of the paper's Fig. 2);
+``placement=None`` counts only the total reserved.
 """
 from __future__ import annotations
 
@@ -106,6 +109,82 @@ class ContiguousSpans:
         return max((length for _, length in self.free), default=0)
 
 
+class BuddySpans:
+    """Binary buddy placement of spans in ``size`` slots, as the paper assumes its Orca does
+    (Kwon et al., SOSP 2023, §6.1: the buddy allocation algorithm picks where a request's KV
+    goes): a span of ``n`` slots takes a free block of ``next_pow2(n)`` slots, split off the
+    smallest larger free block (lowest address first), and on release merges back with its
+    buddy while that is free. ``size`` need not be a power of two: the slots are cut into
+    power-of-two arenas, largest first (15,455 = 8,192 + 4,096 + 2,048 + 1,024 + 64 + ...),
+    each aligned to its size, and a block never merges past its arena. The rounding up is
+    internal fragmentation, unmerged buddies are external: both waste that paging avoids."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.free: dict[int, list[int]] = {}  # order -> sorted starts of free blocks of 2**order slots
+        self.arena_order: list[tuple[int, int, int]] = []  # (start, end, order) of each arena
+        start = 0
+        for order in range(size.bit_length() - 1, -1, -1):
+            if size & (1 << order):
+                self.arena_order.append((start, start + (1 << order), order))
+                self.free.setdefault(order, []).append(start)
+                start += 1 << order
+        self.held: dict[int, int] = {}  # start -> order of each placed block
+
+    @staticmethod
+    def order_of(n: int) -> int:
+        return max(0, (int(n) - 1).bit_length())
+
+    def place(self, n: int) -> Optional[int]:
+        want = self.order_of(n)
+        have = next((o for o in sorted(self.free) if o >= want and self.free[o]), None)
+        if have is None:
+            return None
+        start = self.free[have].pop(0)
+        while have > want:  # split: keep the lower half, free the upper buddy
+            have -= 1
+            _insort(self.free.setdefault(have, []), start + (1 << have))
+        self.held[start] = want
+        return start
+
+    def _arena(self, start: int) -> int:
+        return next(o for a, e, o in self.arena_order if a <= start < e)
+
+    def release(self, start: int, n: int) -> None:
+        order = self.held.pop(start)
+        top = self._arena(start)
+        while order < top:
+            buddy = start ^ (1 << order)
+            lst = self.free.get(order, [])
+            i = _index(lst, buddy)
+            if i is None:
+                break
+            lst.pop(i)
+            start = min(start, buddy)
+            order += 1
+        _insort(self.free.setdefault(order, []), start)
+
+    @property
+    def largest_hole(self) -> int:
+        return max((1 << o for o, lst in self.free.items() if lst), default=0)
+
+
+def _insort(lst: list, x: int) -> None:
+    import bisect
+
+    bisect.insort(lst, x)
+
+
+def _index(lst: list, x: int) -> Optional[int]:
+    import bisect
+
+    i = bisect.bisect_left(lst, x)
+    return i if i < len(lst) and lst[i] == x else None
+
+
+PLACEMENTS = {"buddy": BuddySpans, "first_fit": ContiguousSpans}
+
+
 class ReservingScheduler:
     """``SchedulerProtocol`` around ``inner``: admission only within ``capacity`` reserved tokens.
 
@@ -113,18 +192,20 @@ class ReservingScheduler:
     capacity); each ``schedule`` first passes queued requests on to ``inner`` in arrival order
     while their reservations fit (with ``static``, only when ``inner`` has nothing left, and at
     most ``max_batch`` at once), then lets ``inner`` schedule; ``update`` returns the
-    reservations of the requests that finished. With ``contiguous`` (the default) a
-    reservation must find one free span of its size (first fit), not just enough slots in all.
+    reservations of the requests that finished. With a ``placement`` (``buddy``, the default,
+    or ``first_fit``) a reservation must find one free span, not just enough slots in all.
     """
 
     def __init__(self, inner: Any, reservation: Reservation, capacity: int, max_len: int,
-                 static: bool = False, max_batch: int | None = None, contiguous: bool = True) -> None:
+                 static: bool = False, max_batch: int | None = None, placement: str | None = "buddy") -> None:
         self.inner, self.reservation, self.capacity, self.max_len = inner, reservation, capacity, max_len
         self.static, self.max_batch = static, max_batch
-        self.spans = ContiguousSpans(capacity) if contiguous else None
+        if placement is not None and placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {placement!r}: {', '.join(PLACEMENTS)} or None")
+        self.spans = PLACEMENTS[placement](capacity) if placement is not None else None
         self.held: deque[Sequence] = deque()
         self.reserved: dict[Any, int] = {}  # seq_id -> tokens reserved
-        self._start: dict[Any, int] = {}  # seq_id -> first slot of its span (contiguous)
+        self._start: dict[Any, int] = {}  # seq_id -> first slot of its span
 
     # SchedulerProtocol: the queue the caller sees holds both what waits here and in ``inner``
     @property

@@ -104,6 +104,9 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
               _HF + "meta-llama/Llama-2-7b-hf; Touvron et al., Llama 2 (2023)"),
     ModelSpec("llama-2-13b", 40, 5120, 40, 40, 128, 13824, 32000, 4096, 13_016_000_000, "gated", False,
               _HF + "meta-llama/Llama-2-13b-hf; Touvron et al., Llama 2 (2023)"),
+    # Grouped-query attention: 64 query heads share 8 KV heads. 68.98e9 parameters (the "70B").
+    ModelSpec("llama-2-70b", 80, 8192, 64, 8, 128, 28672, 32000, 4096, 68_976_648_192, "gated", False,
+              _HF + "meta-llama/Llama-2-70b-hf; Touvron et al., Llama 2 (2023)"),
     ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, 8192, 134_515_008, "gated", True,
               _HF + "HuggingFaceTB/SmolLM2-135M-Instruct"),
 )}
