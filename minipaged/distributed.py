@@ -61,14 +61,19 @@ def shard_rule(num_heads: int, num_kv_heads: int, intermediate_size: int, size: 
     """Every rank's slice; a ValueError naming the numbers where ``size`` cannot split the model."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+
+    def fits(n: int) -> bool:
+        return num_heads % n == 0 and intermediate_size % n == 0 and (num_kv_heads % n == 0 or n % num_kv_heads == 0)
+
+    valid = [n for n in range(1, num_heads + 1) if fits(n)]
     if num_heads % size:
         raise ValueError(f"tensor_parallel_size={size} must divide the model's {num_heads} attention heads: "
-                         f"use one of {[n for n in range(1, num_heads + 1) if num_heads % n == 0]}")
+                         f"use one of {valid}")
     if intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size={size} must divide the MLP width {intermediate_size}")
+        raise ValueError(f"tensor_parallel_size={size} must divide the MLP width {intermediate_size}: use one of {valid}")
     if num_kv_heads % size and size % num_kv_heads:
         raise ValueError(f"tensor_parallel_size={size} neither divides the {num_kv_heads} KV heads nor is a "
-                         f"multiple of them, so the KV heads can be neither split nor replicated evenly")
+                         f"multiple of them, so the KV heads can be neither split nor replicated evenly: use one of {valid}")
     hq, group, inter = num_heads // size, num_heads // num_kv_heads, intermediate_size // size
     shards = []
     for r in range(size):

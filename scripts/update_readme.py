@@ -10,6 +10,7 @@
 - speed:   docs/figures/speed.json, written by `minipaged bench speed --json docs/figures/speed.json`
 - ablation: docs/figures/ablation.json, written by `minipaged bench ablation --json docs/figures/ablation.json`
 - profile: docs/figures/profile.json, written by `minipaged bench profile --json docs/figures/profile.json`
+- tp:      docs/figures/tp.json, written by `minipaged bench tp --json docs/figures/tp.json`
 
 Usage: python scripts/update_readme.py [--check]   (--check: exit 1 if the README is stale)
 """
@@ -192,10 +193,41 @@ def ablation_block() -> str:
     return head + "\n\n" + format_markdown(res).strip()
 
 
+def tp_block() -> str:
+    p = ROOT / "docs" / "figures" / "tp.json"
+    if not p.exists():
+        return "(run `minipaged bench tp --json docs/figures/tp.json` to measure)"
+    from minipaged.bench.tp import format_table
+
+    res = json.loads(p.read_text())
+    sizes = list(res["by_size"])
+    head = (f"Command: `minipaged bench tp --json docs/figures/tp.json` ({res['model']}, {res['batch']} greedy requests x "
+            f"{res['max_tokens']} tokens, decode steps only; rank 0 runs {res['threads']} torch threads and each worker 1, "
+            "all on the same CPU cores). The milliseconds depend on what else those cores are running: read the shares "
+            "and ratios (time inside the all-reduces against the whole step, bytes measured against predicted), not the "
+            "absolute times.")
+    lines = [head, "", format_table(res), ""]
+    if len(sizes) > 1:
+        one, n = res["by_size"][sizes[0]], res["by_size"][sizes[-1]]
+        k, ratio = sizes[-1], n["seconds_per_step"] / one["seconds_per_step"]
+        ar = n["all_reduce_seconds_per_step"]
+        lines.append(f"- N = {k}: **{ar / n['seconds_per_step']:.0%}** of each decode step inside the all-reduces; "
+                     f"{ratio:.2f}x the time of N = {sizes[0]} per step. "
+                     + ("The ranks share the same cores, so the arithmetic is not divided, only interleaved, and every "
+                        "all-reduce waits for the slowest rank." if ratio >= 1 else
+                        "A ratio below 1 cannot come from the split (the same cores do the same total arithmetic): "
+                        f"it comes from how the operating system divides the cores among every running process, of "
+                        f"which N = {k} has {k}. The all-reduce share is the cost of the split either way."))
+        lines.append(f"- Bytes all-reduced per token: {n['all_reduce_bytes_per_token']:,.0f} measured, "
+                     f"{res['predicted_all_reduce_bytes_per_token']:,} predicted ({res['rule']}).")
+    return "\n".join(lines)
+
+
 BLOCKS = {"badges": badges_block, "ablation": ablation_block, "timings": timings_block, "bench": bench_block, "bench_quick": bench_quick_block,
           "bench_quick_fp32": bench_quick_fp32_block,
           "speed": speed_block,
-          "profile": profile_block}
+          "profile": profile_block,
+          "tp": tp_block}
 
 
 def render(text: str) -> str:

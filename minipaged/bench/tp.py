@@ -25,23 +25,23 @@ def _decode_steps(eng, batch: int, max_tokens: int, prompts: list[list[int]]) ->
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         eng.add_request(prompts[i % len(prompts)], sp)
-    times, ar0 = [], None
+    times = []
     stats = getattr(eng.executor, "all_reduce", None)
     ar_seconds = ar_bytes = 0.0
     tokens = 0
     while eng.has_unfinished_requests():
         decodes = not eng.scheduler.waiting and all(s.num_computed_tokens >= s.num_tokens - 1 for s in eng.scheduler.running)
         before = dict(stats) if stats else None
+        batch_now = len(eng.scheduler.running)  # every running sequence decodes one token this step
         t = time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t
-        if decodes and eng.scheduler.running:
+        if decodes and batch_now:
             times.append(dt)
-            tokens += len(eng.scheduler.running)
+            tokens += batch_now
             if stats:
                 ar_seconds += stats["seconds"] - before["seconds"]
                 ar_bytes += stats["bytes"] - before["bytes"]
-    del ar0
     total = sum(times)
     return {"decode_steps": len(times), "seconds_per_step": total / max(len(times), 1),
             "all_reduce_seconds_per_step": ar_seconds / max(len(times), 1),
@@ -73,8 +73,8 @@ def run_tp(model_path: str | None = None, batch: int = 8, max_tokens: int = 16, 
     cfg = model.config
     sizes = sizes or (1, smallest_split(cfg))
     res = {"model": cfg.name, "batch": batch, "max_tokens": max_tokens, "threads": torch.get_num_threads(),
-           "predicted_all_reduce_bytes_per_token": 2 * cfg.num_layers * cfg.hidden_size * 4,
-           "rule": "two all-reduces per layer (after o_proj and down_proj), each one fp32 row of hidden_size per token",
+           "predicted_all_reduce_bytes_per_token": 2 * cfg.num_layers * cfg.hidden_size * next(model.parameters()).element_size(),
+           "rule": "two all-reduces per layer (after o_proj and down_proj), each one row of hidden_size values per token",
            "by_size": {}}
     for n in sizes:
         kw = dict(fast_paths=False) if n == 1 else dict(tensor_parallel_size=n)
