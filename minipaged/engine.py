@@ -19,12 +19,14 @@ inside gets a RuntimeError (``minipaged serve`` runs one engine loop that owns i
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import os
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
@@ -41,50 +43,9 @@ from .kv_cache import KVCache, available_memory_bytes, kv_bytes_per_token, plan_
 from .parts import check_part, declared_support, require_support
 from .runner import ModelRunner
 from .prefix_cache import PrefixCache
-from .sampling import Sampler, SamplingParams
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: F401 - vLLM's output types, importable from here too
+from .sampling import Sampler, SamplingParams, prompt_logprobs_of
 from .scheduler import Scheduler
-
-
-@dataclass
-class CompletionOutput:
-    """One sample of a request (vLLM's CompletionOutput): with ``SamplingParams(n=k)``, k of them."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    finished: bool
-    delta_text: str = ""
-    num_preemptions: int = 0
-
-
-@dataclass
-class RequestOutput:
-    """What a caller gets back for one request (vLLM's RequestOutput, flattened).
-
-    ``text`` is the whole answer so far (cut before a stop string); ``delta_text`` is what this
-    output adds to the previous one of the same request (what a stream sends next).
-    ``outputs`` holds every sample (one, unless ``SamplingParams.n > 1``), in sample order;
-    ``text``, ``token_ids``, ``delta_text`` and ``finish_reason`` are sample 0's, so code written
-    for one sample keeps working, and ``finished`` is True once every sample is done.
-    """
-
-    request_id: str
-    prompt: Any
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", "rejected", "error", or None while running
-    finished: bool
-    error: str | None = None  # why a request was rejected, or what raised in its step
-    num_preemptions: int = 0
-    metrics: dict = field(default_factory=dict)  # arrival, first_token and finish times (s)
-    delta_text: str = ""
-    outputs: list = field(default_factory=list)  # a CompletionOutput per sample, sample 0 first
-
-    def __repr__(self) -> str:
-        text = self.text if len(self.text) < 60 else self.text[:57] + "..."
-        return f"RequestOutput(id={self.request_id!r}, finish={self.finish_reason}, tokens={len(self.token_ids)}, text={text!r})"
 
 
 @dataclass
@@ -92,6 +53,7 @@ class _Request:
     seq: Sequence
     prompt: Any
     samples: list = field(default_factory=list)  # every sequence of the request (n), sample 0 first
+    prompt_logprobs: Any = None  # with SamplingParams(prompt_logprobs=k): vLLM's list, None first
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -129,20 +91,44 @@ def resolve_prefix_caching(setting: bool | None, scheduler_cls: type) -> bool:
 
 
 class _Guard:
-    """Refuses a second thread while one is inside the engine (re-entry by the same thread is fine)."""
+    """Refuses a second thread while one is inside the engine, and a re-entry from inside it (a
+    step() or add_request() called from an attention function would run a step inside a step)."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._owner: int | None = None
 
     def __enter__(self) -> None:
         if not self._lock.acquire(blocking=False):
+            if self._owner == threading.get_ident():
+                raise RuntimeError(
+                    "the engine was re-entered from inside itself: step(), add_request() or abort_request() was "
+                    "called while a step (or another of these calls) was running, e.g. from an attention function. "
+                    "A step cannot run inside a step: return from your function and call the engine after step() returns."
+                )
             raise RuntimeError(
                 "LLMEngine is single-threaded: another thread is inside it right now. Call it from one "
                 "thread (an engine loop that owns it, as `minipaged serve` does), or give each thread its own engine."
             )
+        self._owner = threading.get_ident()
 
     def __exit__(self, *exc: Any) -> None:
+        self._owner = None
         self._lock.release()
+
+
+def _check_encodable(text: str, what: str) -> str:
+    """``text`` if UTF-8 can encode it; else a ValueError naming the lone surrogate and its position
+    (tokenizers say only "TextInputSequence must be str")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{what} holds a lone surrogate {ascii(text[e.start])[1:-1]} at position {e.start}, which no text encoding "
+            "can carry (it usually comes from bytes decoded with errors='surrogateescape'): fix the string, e.g. "
+            "text.encode('utf-8', 'replace').decode()"
+        ) from None
+    return text
 
 
 def _is_token_list(x: Any) -> bool:
@@ -151,6 +137,27 @@ def _is_token_list(x: Any) -> bool:
 
 def _is_chat(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(m, dict) and "role" in m for m in x)
+
+
+CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template")
+
+
+def _is_chat_request(x: Any) -> bool:
+    """``{"messages": [...], "add_generation_prompt": ..., "continue_final_message": ..., "chat_template": ...}``"""
+    return isinstance(x, dict) and "messages" in x and set(x) <= {"messages", *CHAT_OPTIONS}
+
+
+class _KeepSpecialTokens:
+    """A tokenizer whose ``decode`` keeps special tokens (``SamplingParams(skip_special_tokens=False)``)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
 
 
 class LLMEngine:
@@ -229,6 +236,7 @@ class LLMEngine:
             self.executor = make_executor(config, self.model, self.device, parts.attention, self.kv_cache)
         self.runner = ModelRunner(self.device)
         self.sampler = Sampler()
+        self.sampler.decode = self._decode_token if tokenizer is not None else None  # Logprob.decoded_token
         self.requests: dict[str, _Request] = {}  # unfinished requests (finished ones are pruned)
         self._request_of: dict[str, str] = {}  # seq id of sample i >= 1 -> its request id
         self._ids = itertools.count()
@@ -297,13 +305,16 @@ class LLMEngine:
         - a string: a text prompt, tokenized as it is;
         - ``{"prompt": "..."}``: the same, as a dict;
         - ``{"prompt_token_ids": [int, ...]}`` or a list of ints: token ids, used as they are;
-        - a list of chat messages (``{"role": ..., "content": ...}`` dicts): rendered with the
-          model's chat template, with the assistant's turn opened.
+        - a list of chat messages (``{"role": ..., "content": ...}`` dicts, the content a string or
+          OpenAI's ``[{"type": "text", "text": ...}]`` parts): rendered with the model's chat
+          template, with the assistant's turn opened;
+        - ``{"messages": [...], "add_generation_prompt": bool, "continue_final_message": bool,
+          "chat_template": str}``: the same, with vLLM's chat options (see ``render_chat``).
         """
         vocab = self.model.config.vocab_size
         if isinstance(prompt, str):
             self._need_tokenizer("a text prompt")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(_check_encodable(prompt, "the prompt"))
         if isinstance(prompt, dict):
             keys = set(prompt)
             if keys == {"prompt_token_ids"}:
@@ -315,6 +326,9 @@ class LLMEngine:
                 if not isinstance(prompt["prompt"], str):
                     raise TypeError(f"{{'prompt': ...}} takes a string, got {type(prompt['prompt']).__name__}")
                 return self.encode_prompt(prompt["prompt"])
+            if _is_chat_request(prompt):
+                options = {k: prompt[k] for k in CHAT_OPTIONS if k in prompt}
+                return self.tokenizer.encode(_check_encodable(self.render_chat(prompt["messages"], **options), "the chat"))
             if "role" in keys:
                 raise TypeError("one chat message is not a prompt: give the conversation as a list of messages")
             raise TypeError(
@@ -323,11 +337,7 @@ class LLMEngine:
         if _is_token_list(prompt):
             return self._check_ids(prompt, vocab)
         if _is_chat(prompt):
-            self._need_tokenizer("chat messages")
-            for m in prompt:
-                if set(m) - {"role", "content", "name"} or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
-                    raise ValueError(f"a chat message is {{'role': str, 'content': str}}, got {m!r}")
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True))
+            return self.tokenizer.encode(_check_encodable(self.render_chat(prompt), "the chat"))
         hint = ""
         if isinstance(prompt, (bytes, bytearray)):
             hint = ": decode bytes to a str first"
@@ -351,19 +361,127 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError(f"this engine has no tokenizer, so it cannot take {what}: pass token ids instead")
 
+    @staticmethod
+    def _chat_messages(messages: Any) -> list[dict]:
+        """Chat messages with their content as one string (OpenAI's text parts joined)."""
+        if not _is_chat(messages):
+            raise TypeError("a conversation is a non-empty list of {'role', 'content'} dicts")
+        out = []
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                                 for p in content):
+                content = "".join(p["text"] for p in content)
+            if set(m) - {"role", "content", "name"} or not isinstance(content, str) or not isinstance(m.get("role"), str):
+                raise ValueError(f"a chat message is {{'role': str, 'content': str or [{{'type': 'text', 'text': str}}, ...]}}, got {m!r}")
+            _check_encodable(content, f"message {i}'s content")
+            _check_encodable(m["role"], f"message {i}'s role")
+            out.append({**m, "content": content})
+        return out
+
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template: str | None = None) -> str:
+        """A conversation as prompt text, in the model's chat template (or ``chat_template``, a Jinja
+        string), as vLLM's ``LLM.chat`` renders it: ``add_generation_prompt`` opens the assistant's
+        turn; ``continue_final_message`` leaves the last (assistant) message open, to be continued."""
+        self._need_tokenizer("chat messages")
+        msgs = self._chat_messages(messages)
+        if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final_message, bool):
+            raise TypeError("add_generation_prompt and continue_final_message are True or False")
+        if continue_final_message and (add_generation_prompt or msgs[-1]["role"] != "assistant"):
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False and the assistant's message last")
+        if chat_template is None:
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        else:
+            if not isinstance(chat_template, str):
+                raise TypeError(f"chat_template is a Jinja template string, got {type(chat_template).__name__}")
+            from .model.tokenizer import _render_chat_template
+
+            tok = self.tokenizer
+            text = _render_chat_template(chat_template, messages=msgs, add_generation_prompt=add_generation_prompt,
+                                         bos_token=getattr(tok, "bos_token", None) or "", eos_token=getattr(tok, "eos_token", None) or "")
+        if continue_final_message:
+            last = msgs[-1]["content"]
+            end = text.rfind(last)
+            if end >= 0:
+                text = text[: end + len(last)]
+        return text
+
+    def _prompt_text(self, prompt: Any) -> str | None:
+        """``RequestOutput.prompt``: the prompt as text (a chat rendered); None for token ids, as in vLLM."""
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"]
+        try:
+            if _is_chat(prompt):
+                return self.render_chat(prompt)
+            if _is_chat_request(prompt):
+                return self.render_chat(prompt["messages"], **{k: prompt[k] for k in CHAT_OPTIONS if k in prompt})
+        except (TypeError, ValueError):
+            return None
+        return None
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, token_ids: list[int], k: int) -> list:
+        """vLLM's prompt_logprobs, from one extra pass of the prompt through the model into a
+        scratch cache of its own (the request's own KV is computed as usual by the steps)."""
+        from .attention import TORCH, AttentionMetadata
+
+        n, bs = len(token_ids), self.block_size
+        nblocks = -(-n // bs)
+        cache = KVCache(self.model.config.num_layers, nblocks, bs, self.model.config.num_kv_heads,
+                        self.model.config.head_dim, self.dtype, self.device)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
+            block_tables=torch.arange(nblocks, dtype=torch.int32, device=dev)[None],
+            context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        )
+        hidden = self.model(torch.tensor(token_ids, device=dev), torch.arange(n, device=dev), cache, meta, TORCH)
+        logits = self.model.compute_logits(hidden).float().cpu()
+        return prompt_logprobs_of(logits, token_ids, k, self._decode_token if self.tokenizer is not None else None)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> "LLMEngine":
+        """vLLM's constructor: an engine from an ``EngineArgs`` (see minipaged.engine_args)."""
+        return engine_args.create_engine()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's ``reset_prefix_cache``). False, and nothing
+        forgotten, while a request still holds cached blocks, or when the prefix cache cannot reset."""
+        with self._guard:
+            if self.prefix_cache is None:
+                return True
+            reset = getattr(self.prefix_cache, "reset", None)
+            return bool(reset()) if reset is not None else False
+
     def new_request_id(self) -> str:
         rid = str(next(self._ids))
         while rid in self.requests:
             rid = str(next(self._ids))
         return rid
 
-    def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a request and return its id.
+    def add_request(self, *args: Any, request_id: Any = None, prompt: Any = None, params: SamplingParams | None = None,
+                    sampling_params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request and return its id: ``add_request(request_id, prompt, params)``, vLLM's order.
+
+        minipaged's older order, ``add_request(prompt, params, request_id=None)``, is still taken:
+        the second argument tells them apart (a SamplingParams or None there means the old order;
+        a prompt means vLLM's). ``prompt`` is any form ``encode_prompt`` takes.
 
         Everything is checked here, before anything is queued: bad input raises ValueError or
         TypeError and leaves the engine as it was. A request that can never fit in the KV pool is
         rejected instead (its output, from the next ``step()``, says why) and the engine goes on.
         """
+        request_id, prompt, sampling_params = self._request_args(args, request_id, prompt, params, sampling_params)
         with self._guard:
             params = SamplingParams() if sampling_params is None else sampling_params
             if not isinstance(params, SamplingParams):
@@ -375,6 +493,13 @@ class LLMEngine:
                 raise ValueError(f"stop_token_ids must be in 0..{vocab - 1}; got {bad[:5]}")
             if params.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer, and this engine has none: use stop_token_ids")
+            for j, stop in enumerate([params.stop] if isinstance(params.stop, str) else params.stop or ()):
+                _check_encodable(stop, f"stop string {j}")
+            if params.n > self.config.max_num_seqs:  # before any sample is made: n=2**40 costs nothing
+                raise ValueError(
+                    f"SamplingParams(n={params.n}) asks for {params.n} samples, but max_num_seqs={self.config.max_num_seqs} "
+                    f"sequences run at once: lower n to at most {self.config.max_num_seqs}, or raise max_num_seqs"
+                )
             if request_id is None:
                 request_id = self.new_request_id()
             elif isinstance(request_id, bool) or not isinstance(request_id, (str, int)) or str(request_id) == "":
@@ -383,6 +508,19 @@ class LLMEngine:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
             token_ids = self.encode_prompt(prompt)
+            if params.max_tokens is None:  # to the context's end: this request's own copy says how far
+                params = params.clone()
+                params.max_tokens = params.max_tokens_for(len(token_ids), self.config.max_model_len)
+            room = self.config.max_model_len - len(token_ids)  # <= 0: the scheduler rejects the prompt, saying why
+            if 0 < room < params.max_tokens:
+                if sampling_params is not None:
+                    raise ValueError(
+                        f"max_tokens={params.max_tokens} does not fit: the model's context is {self.config.max_model_len} "
+                        f"tokens and the prompt has {len(token_ids)}, which leaves {room} (prompt + max_tokens = "
+                        f"{len(token_ids) + params.max_tokens}): lower max_tokens to at most {room}, pass max_tokens=None "
+                        "for the rest of the context, or shorten the prompt"
+                    )
+                params.max_tokens = room  # no params given: the default ends within the context
             if params.n > 1 and "parallel_sampling" not in declared_support(type(self.scheduler), "schedule"):
                 raise ValueError(
                     f"SamplingParams(n={params.n}) needs a scheduler whose schedule() gives every sample a seat, and "
@@ -395,13 +533,16 @@ class LLMEngine:
             samples = []  # sample 0 is the request's sequence; n > 1: samples 1..n-1 are forked from it
             for i in range(params.n):
                 q = Sequence.for_request(request_id if i == 0 else f"{request_id}#{i}", token_ids, params, eos)
-                q.stop_checker = StopChecker.for_sequence(q, params.stop, self.config.max_model_len, self.tokenizer)
+                tok = self.tokenizer if params.skip_special_tokens or self.tokenizer is None else _KeepSpecialTokens(self.tokenizer)
+                q.stop_checker = StopChecker.for_sequence(q, params.stop, self.config.max_model_len, tok)
                 q.arrival_time = arrival
                 samples.append(q)
             # parallel sampling: samples 1..n-1 wait in seq.forks until the prompt is computed once
             seq = samples[0]
             seq.forks = samples[1:]
-            req = _Request(seq, prompt)
+            req = _Request(seq, self._prompt_text(prompt))
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = self._prompt_logprobs(token_ids, params.prompt_logprobs)
             if self._first_arrival is None:
                 self._first_arrival = seq.arrival_time
             self._totals["requests"] += 1
@@ -418,10 +559,33 @@ class LLMEngine:
                 return request_id
             self.requests[request_id] = req
             for i, q in enumerate(req.samples):  # sample i draws from seed + i: reproducible alone or in a batch
-                self.sampler.add(q.seq_id, params if params.seed is None or i == 0 else replace(params, seed=params.seed + i))
+                self.sampler.add(q.seq_id, params if params.seed is None or i == 0 else replace(params, seed=params.seed + i), seq=q)
                 if i:
                     self._request_of[q.seq_id] = request_id
             return request_id
+
+    @staticmethod
+    def _request_args(args: tuple, request_id: Any, prompt: Any, params: Any, sampling_params: Any) -> tuple:
+        """(request_id, prompt, sampling_params) from either order of ``add_request``'s arguments."""
+        if params is not None and sampling_params is not None:
+            raise TypeError("add_request got both params and sampling_params: give one")
+        sp = params if params is not None else sampling_params
+        args = list(args)
+        if len(args) > 3:
+            raise TypeError(f"add_request takes (request_id, prompt, params) or (prompt, params), got {len(args)} arguments")
+        old = (len(args) >= 2 and (args[1] is None or isinstance(args[1], SamplingParams))) or (len(args) == 1 and prompt is None)
+        if old:  # (prompt, params, request_id)
+            names = ["prompt", "sampling_params", "request_id"]
+        else:  # vLLM's (request_id, prompt, params)
+            names = ["request_id", "prompt", "sampling_params"]
+        given = {"request_id": request_id, "prompt": prompt, "sampling_params": sp}
+        for name, value in zip(names, args):
+            if given[name] is not None:
+                raise TypeError(f"add_request got {name} twice")
+            given[name] = value
+        if given["prompt"] is None:
+            raise TypeError("add_request needs a prompt: add_request(request_id, prompt, params)")
+        return given["request_id"], given["prompt"], given["sampling_params"]
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its output (finish_reason "abort") comes from
@@ -481,7 +645,9 @@ class LLMEngine:
 
         If anything raises inside the step (the scheduler, the model, attention, sampling), the
         requests of this step finish with ``finish_reason="error"`` and the message, their blocks
-        are freed, and the engine keeps serving the others.
+        are freed, and the engine keeps serving the others. A NaN or inf in a request's hidden
+        states or logits ends that request alone, the same way. No block a failed request wrote in
+        this step is cached (update() caches full blocks, and it runs for the others only).
         """
         with self._guard:
             outputs, self._pending = self._pending, []
@@ -498,28 +664,42 @@ class LLMEngine:
                             f"{self.allocator.num_free_blocks} free blocks. A scheduler must make progress every step."
                         )
                     return outputs
+                for sch in out.scheduled:  # vLLM's metrics: first scheduled, and what the prefix cache gave
+                    if getattr(sch.seq, "first_scheduled_time", None) is None:
+                        sch.seq.first_scheduled_time = time.perf_counter() - self.t0
+                        sch.seq.num_cached_tokens = sch.seq.num_computed_tokens
                 if out.blocks_to_copy:  # copy-on-write, before this step writes K/V
                     self.executor.copy_blocks(out.blocks_to_copy)
                 inputs = self.runner.prepare(out)
                 hidden = self.executor.forward(inputs.input_ids, inputs.positions, inputs.meta)
+                # a NaN or inf ends the requests whose rows hold it (prefill chunks too), before update()
+                # could cache a block they wrote; the others go on
+                self._fail_nonfinite_rows(hidden, inputs)
+                live = [k for k, s in enumerate(inputs.samplers) if not s.seq.is_finished]
+                samplers = [inputs.samplers[k] for k in live]
                 sampled: dict = {}
-                if inputs.samplers:
-                    h = hidden[inputs.sample_rows]
+                if samplers:
+                    h = hidden[[inputs.sample_rows[k] for k in live]]
                     # a prompt computed for n samples: its one row of logits gives every sample's first token
-                    who = [(i, q) for i, s in enumerate(inputs.samplers) for q in [s.seq] + list(s.seq.forks)]
+                    who = [(i, q) for i, s in enumerate(samplers) for q in [s.seq] + list(s.seq.forks)]
                     seqs = [q for _, q in who]
                     tokens = None
                     next_route = "sampler"
-                    if (len(who) == len(inputs.samplers) and type(self.sampler) is Sampler
-                            and all(q.sampling_params.greedy for q in seqs)):
+                    if (len(who) == len(samplers) and type(self.sampler) is Sampler
+                            and all(not q.sampling_params.needs_logits for q in seqs)):
+                        # (a row that wants logprobs, penalties, a bias or min_tokens needs the logits)
                         # every row greedy: the argmax straight from the head, where the plan allows
                         tokens = self.executor.greedy_tokens(h)
                         next_route = "head_argmax" if tokens is not None else next_route
                     if tokens is None:
                         logits = self.executor.compute_logits(h)
-                        if len(who) > len(inputs.samplers):
+                        if len(who) > len(samplers):
                             logits = logits[torch.tensor([i for i, _ in who], device=logits.device)]
-                        tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.sampling_params for s in seqs])
+                        bad = self._fail_nonfinite(logits, seqs.__getitem__, "logits")
+                        if bad:  # those requests are ended: sample the others only
+                            keep = [r for r in range(len(seqs)) if r not in bad]
+                            logits, seqs = logits[keep], [seqs[r] for r in keep]
+                        tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.sampling_params for s in seqs]) if seqs else []
                     sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
                     self.last_route = f"{self.executor.last_route}+{next_route}"
                 else:
@@ -529,12 +709,15 @@ class LLMEngine:
                 self.scheduler.update(out, sampled)
             except Exception as e:
                 return outputs + self._fail_step(out, e)
+            outputs += self._pending  # requests a non-finite value ended in this step
+            self._pending = []
             changed = []
             for seq in [q for s in inputs.samplers for q in [s.seq] + [f for f in self._samples_of(s.seq)[1:]]]:
                 if seq.seq_id not in sampled:
                     continue
                 if seq.first_token_time is None:
                     seq.first_token_time = now
+                seq.last_token_time = now
                 if seq.is_finished and seq.finish_time is None:
                     seq.finish_time = now
                 changed.append(seq)
@@ -556,6 +739,57 @@ class LLMEngine:
         req = self._request(seq)
         return req.samples if req is not None and req.seq is seq else [seq]
 
+    def _fail_nonfinite_rows(self, hidden: torch.Tensor, inputs: Any) -> None:
+        """End the requests whose rows of the step's hidden states hold NaN or inf."""
+        qsl = inputs.meta.query_start_loc
+        if hidden.dim() != 2 or hidden.shape[0] != int(qsl[-1]):
+            return  # not one row per token: the logits check still guards the sampled rows
+        starts = qsl.tolist()
+        order = inputs.order
+
+        def seq_of_row(r: int) -> Sequence:
+            return order[bisect.bisect_right(starts, r) - 1].seq
+
+        self._fail_nonfinite(hidden, seq_of_row, "hidden states (the last layer's output: attention or a layer after it made them)")
+
+    def _fail_nonfinite(self, values: torch.Tensor, seq_of_row: Any, part: str) -> set[int]:
+        """End, with finish_reason "error", every request with a row of ``values`` that holds NaN or
+        inf (``seq_of_row(r)``: the sequence of row r), before update() could cache a block it wrote;
+        its blocks are cleared, so a later owner never reads the NaN. Returns those rows."""
+        ok = torch.isfinite(values).all(dim=-1)
+        if bool(ok.all()):
+            return set()
+        bad_rows = (~ok).nonzero().flatten().tolist()
+        by_request: dict[str, tuple[_Request, list[int]]] = {}
+        for r in bad_rows:
+            req = self._request(seq_of_row(r))
+            if req is not None and req.seq.seq_id in self.requests:
+                by_request.setdefault(req.seq.seq_id, (req, []))[1].append(r)
+        step = self.num_steps + 1
+        for req, rows in by_request.values():
+            kind = "NaN" if bool(torch.isnan(values[rows]).any()) else "inf"
+            msg = (f"step {step}: the {part} of this request hold {kind} ({len(rows)} row(s)), so its next token would "
+                   "be garbage: the request was ended, and no block it wrote in this step was cached")
+            self._scrub(req)
+            self._end(req, FinishReason.ERROR, msg)
+        if by_request:
+            warnings.warn(f"minipaged: step {step}: {len(by_request)} request(s) failed: non-finite {part.split(' (')[0]}",
+                          stacklevel=4)
+        return set(bad_rows)
+
+    def _scrub(self, req: _Request) -> None:
+        """Zero the K/V of ``req``'s blocks that no other request can read (no cached block), so that
+        what a failed step wrote there (a NaN) never reaches the block's next owner."""
+        pc = self.prefix_cache
+        is_cached = getattr(pc, "is_cached", lambda b: True) if pc is not None else (lambda b: False)
+        blocks = {b for q in req.samples if q.block_table is not None for b in q.block_table.blocks if not is_cached(b)}
+        k, v = getattr(self.kv_cache, "k", None), getattr(self.kv_cache, "v", None)
+        if not blocks or not k or not v:
+            return
+        idx = torch.tensor(sorted(blocks), dtype=torch.long, device=k[0].device)
+        for t in list(k) + list(v):
+            t.index_fill_(0, idx, 0)
+
     def _fail_step(self, out: Any, error: Exception) -> list[RequestOutput]:
         """Finish the requests of a step that raised with finish_reason "error"; keep the rest."""
         where = "the scheduler" if out is None else "the step"
@@ -569,6 +803,7 @@ class LLMEngine:
         for seq in seqs:
             req = self._request(seq)
             if req is not None and req.seq.seq_id in self.requests:
+                self._scrub(req)  # whatever the step wrote before it raised never reaches a later owner
                 self._end(req, FinishReason.ERROR, msg)
         if not seqs:  # nothing to blame: surface the error rather than spin
             raise error
@@ -576,16 +811,58 @@ class LLMEngine:
         failed, self._pending = self._pending, []
         return failed
 
+    @staticmethod
+    def _stop_reason(q: Sequence) -> int | str | None:
+        """vLLM's stop_reason: the stop token id or stop string that ended ``q`` (None for EOS,
+        the length limit, or while it runs)."""
+        if q.finish_reason is not FinishReason.STOP or not q.is_finished:
+            return None
+        params = q.sampling_params
+        last = q.output_token_ids[-1] if q.output_token_ids else None
+        if last is not None and last in params.stop_token_ids:
+            return last
+        checker = q.stop_checker
+        detok = getattr(checker, "detok", None)
+        if params.stop and detok is not None:
+            rest = detok.text[len(checker.text):]
+            hits = [s for s in params.stop if rest.startswith(s)]
+            if hits:
+                return max(hits, key=len)
+        return None
+
     def _output(self, seq: Sequence, req: _Request) -> RequestOutput:
         outs = []
         for i, q in enumerate(req.samples):
             checker = q.stop_checker
             reason = q.finish_reason.value if q.finish_reason is not None and q.is_finished else None
-            outs.append(CompletionOutput(i, checker.text if checker is not None else "", list(q.output_token_ids), reason,
-                                         q.is_finished, checker.pop_delta() if checker is not None else "", q.num_preemptions))
+            text = checker.text if checker is not None else ""
+            delta = checker.pop_delta() if checker is not None else ""
+            stop_reason = self._stop_reason(q)
+            params = q.sampling_params
+            if isinstance(stop_reason, str) and params is not None and params.include_stop_str_in_output:
+                text += stop_reason
+                if not getattr(q, "stop_str_sent", False):  # once, with the delta that ends the stream
+                    delta += stop_reason
+                    q.stop_str_sent = True
+            logprobs = self.sampler.logprobs(q.seq_id)
+            if logprobs is None:  # retired already (aborted, failed): the last ones it had
+                logprobs = getattr(q, "last_logprobs", None)
+            else:
+                q.last_logprobs = logprobs
+            cumulative = sum(next(iter(e.values())).logprob for e in logprobs) if logprobs is not None else None
+            outs.append(CompletionOutput(i, text, list(q.output_token_ids), reason, q.is_finished, delta, q.num_preemptions,
+                                         cumulative_logprob=cumulative, logprobs=logprobs, stop_reason=stop_reason))
         done = all(o.finished for o in outs)
         firsts = [q.first_token_time for q in req.samples if q.first_token_time is not None]
+        lasts = [getattr(q, "last_token_time", None) for q in req.samples]
         ends = [q.finish_time for q in req.samples if q.finish_time is not None]
+        metrics = RequestMetrics(
+            arrival_time=seq.arrival_time, first_scheduled_time=getattr(seq, "first_scheduled_time", None),
+            first_token_time=min(firsts) if firsts else None,
+            last_token_time=max((t for t in lasts if t is not None), default=None),
+            finished_time=max(ends) if done and ends else None,
+            num_generation_tokens=sum(len(o.token_ids) for o in outs),
+        )
         return RequestOutput(
             request_id=seq.seq_id,
             prompt=req.prompt,
@@ -596,10 +873,11 @@ class LLMEngine:
             finished=done,
             error=seq.reject_reason,
             num_preemptions=sum(o.num_preemptions for o in outs),
-            metrics={"arrival_time": seq.arrival_time, "first_token_time": min(firsts) if firsts else None,
-                     "finish_time": max(ends) if done and ends else None},
+            metrics=metrics,
             delta_text=outs[0].delta_text,
             outputs=outs,
+            prompt_logprobs=req.prompt_logprobs,
+            num_cached_tokens=getattr(seq, "num_cached_tokens", None),
         )
 
     def run(self, progress: bool = False, desc: str = "generating") -> dict[str, RequestOutput]:
@@ -655,6 +933,49 @@ class LLMEngine:
         return info
 
 
+class _Mailbox:
+    """One engine's outputs, kept for their owners: each ``LLM.stream`` and ``generate`` call claims
+    its request ids, and whoever steps the engine files every output under its request's id, so
+    streams and calls read in any order each get exactly their own (an output nobody claimed, from
+    a request added straight to the engine, is dropped as ``step()``'s caller would)."""
+
+    def __init__(self, engine: "LLMEngine") -> None:
+        self.engine = engine
+        self.boxes: dict[str, list[RequestOutput]] = {}
+
+    def claim(self, request_id: str) -> None:
+        self.boxes.setdefault(request_id, [])
+
+    def release(self, request_id: str) -> None:
+        self.boxes.pop(request_id, None)
+
+    def take(self, request_id: str) -> list[RequestOutput]:
+        box = self.boxes.get(request_id)
+        if not box:
+            return []
+        out = list(box)
+        box.clear()
+        return out
+
+    def pump(self) -> None:
+        """One engine step; its outputs go to their owners' boxes."""
+        for o in self.engine.step():
+            box = self.boxes.get(o.request_id)
+            if box is not None:
+                box.append(o)
+
+
+_mailboxes: "weakref.WeakKeyDictionary[LLMEngine, _Mailbox]" = weakref.WeakKeyDictionary()
+
+
+def _mailbox(engine: "LLMEngine") -> _Mailbox:
+    """The engine's mailbox (one per engine, however many LLM objects or calls use it)."""
+    box = _mailboxes.get(engine)
+    if box is None:
+        box = _mailboxes[engine] = _Mailbox(engine)
+    return box
+
+
 class LLM:
     """The facade vLLM users know: ``LLM(model=...).generate(prompts, sampling_params)``.
 
@@ -667,8 +988,18 @@ class LLM:
     """
 
     def __init__(self, model: Any = None, tokenizer: Any = None, device: str | torch.device | None = None,
-                 dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:
+                 dtype: torch.dtype | str = "auto", seed: int | None = None, **kwargs: Any) -> None:
+        from .dtypes import resolve_dtype
+        from .engine_args import NO_EFFECT, load_tokenizer
+
+        for name in [k for k in kwargs if k in NO_EFFECT]:  # vLLM settings that mean nothing here
+            value = kwargs.pop(name)
+            if NO_EFFECT[name] and value not in NO_EFFECT[name]:
+                raise ValueError(f"LLM({name}={value!r}) is unsupported by minipaged (one device, no CUDA graphs); leave it out")
         config, parts = split_kwargs(kwargs)  # before loading anything: a typo costs no load time
+        dtype = resolve_dtype(dtype)  # vLLM's names ("float32", "half", "auto": float32) or a torch dtype
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(tokenizer)  # a local folder or GGUF file; a Hub name says so now
         if model is None or isinstance(model, (str, os.PathLike)):
             from .model import load_model
 
@@ -678,7 +1009,25 @@ class LLM:
             model, loaded_tok = load_model(model, dtype=dtype, device=device)
             self.load_seconds = time.perf_counter() - t
             tokenizer = tokenizer or loaded_tok
+        if seed is not None:  # vLLM's seed: unseeded sampled requests repeat from run to run
+            torch.manual_seed(seed)
         self.engine = LLMEngine(model, tokenizer, config, parts)
+
+    @property
+    def llm_engine(self) -> "LLMEngine":
+        """The engine (vLLM's name for it)."""
+        return self.engine
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters ``generate`` and ``chat`` use when given none (vLLM reads the
+        model's generation_config.json; minipaged uses SamplingParams' own defaults)."""
+        return SamplingParams()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
 
     @property
     def tokenizer(self):
@@ -719,17 +1068,47 @@ class LLM:
                 raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
             params = list(sampling_params)
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params] * len(prompts)  # None: the engine's default, cut to fit the context
         eng = self.engine
+        mail = _mailbox(eng)
         ids: list[str | RequestOutput] = []
-        for prompt, p in zip(prompts, params):
-            rid = eng.new_request_id()
-            try:
-                ids.append(eng.add_request(prompt, p, request_id=rid))
-            except (ValueError, TypeError) as e:
-                warnings.warn(f"request {rid} rejected: {e}", stacklevel=2)
-                ids.append(RequestOutput(rid, prompt, [], "", [], "rejected", True, error=str(e)))
-        done = eng.run(progress=use_tqdm)
+        mine: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = eng.new_request_id()
+                try:
+                    ids.append(eng.add_request(prompt, p, request_id=rid))
+                    mail.claim(rid)
+                    mine.append(rid)
+                except (ValueError, TypeError) as e:
+                    warnings.warn(f"request {rid} rejected: {e}", stacklevel=2)
+                    ids.append(RequestOutput(rid, eng._prompt_text(prompt), [], "", [], "rejected", True, error=str(e)))
+            if use_tqdm:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(mine), desc="generating", unit="req")
+            # step until this call's requests are done; another stream's outputs wait in its box
+            while len(done) < len(mine):
+                for rid in mine:
+                    for o in mail.take(rid):
+                        if o.finished and rid not in done:
+                            done[rid] = o
+                            if bar is not None:
+                                bar.update(1)
+                if len(done) == len(mine):
+                    break
+                if not eng.has_unfinished_requests():
+                    raise RuntimeError(f"the engine has no unfinished requests, but {len(mine) - len(done)} of this call's never finished")
+                mail.pump()
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in mine:
+                mail.release(rid)
+                if rid not in done:  # interrupted (Ctrl-C, an error): do not leave them running unowned
+                    eng.abort_request(rid)
         results = []
         for rid in ids:
             o = rid if isinstance(rid, RequestOutput) else done[rid]
@@ -739,13 +1118,27 @@ class LLM:
         return results
 
     def chat(self, messages: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_content_format: str = "auto") -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts; the content a string or OpenAI's
+        ``[{"type": "text", "text": ...}]`` parts) or a list of conversations, as vLLM's ``LLM.chat``:
+        ``chat_template`` (a Jinja string) replaces the model's, ``add_generation_prompt`` opens the
+        assistant's turn, ``continue_final_message`` continues the last (assistant) message."""
         if _is_chat(messages):
             messages = [messages]
         if not isinstance(messages, list) or not all(_is_chat(m) for m in messages):
             raise TypeError("chat() takes a conversation (a list of {'role', 'content'} dicts) or a list of conversations")
-        return self.generate(messages, sampling_params, use_tqdm=use_tqdm)
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format is 'auto', 'string' or 'openai', got {chat_template_content_format!r}")
+        options = {}
+        if chat_template is not None:
+            options["chat_template"] = chat_template
+        if add_generation_prompt is not True:
+            options["add_generation_prompt"] = add_generation_prompt
+        if continue_final_message:
+            options["continue_final_message"] = continue_final_message
+        prompts = [{"messages": m, **options} for m in messages] if options else messages
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the answer's text piece by piece as tokens come (other requests may run too).
@@ -754,14 +1147,19 @@ class LLM:
         and frees its blocks. A stop string never appears in the pieces.
         """
         eng = self.engine
+        mail = _mailbox(eng)
         rid = eng.add_request(prompt, sampling_params)
+        mail.claim(rid)
         finished = False
         try:
             while True:
-                outs = eng.step()
+                outs = mail.take(rid)  # its own outputs only: the others' wait in their boxes
+                if not outs:  # (another caller may have stepped the engine meanwhile and filled the box)
+                    if not eng.has_unfinished_requests():
+                        return
+                    mail.pump()
+                    continue
                 for o in outs:
-                    if o.request_id != rid:
-                        continue
                     if o.finish_reason in ("rejected", "error"):
                         finished = True
                         raise ValueError(f"request {o.finish_reason}: {o.error}")
@@ -770,9 +1168,8 @@ class LLM:
                     if o.finished:
                         finished = True
                         return
-                if not eng.has_unfinished_requests():
-                    return
         finally:
+            mail.release(rid)
             if not finished:
                 eng.abort_request(rid)
 

@@ -69,7 +69,10 @@ def test_bad_sampling_params_are_refused_when_made(kw, match):
 
 def test_params_changed_after_creation_are_checked_at_add_time(engine):
     p = SamplingParams(max_tokens=2)
-    p.temperature = 1e-45
+    with pytest.raises(ValueError, match="temperature"):
+        p.temperature = 1e-45  # checked when it is set, and refused
+    assert p.temperature == 1.0
+    object.__setattr__(p, "temperature", 1e-45)  # forced past that check: add_request checks again
     with pytest.raises(ValueError, match="temperature"):
         engine.add_request([1, 2], p)
     p = SamplingParams(stop_token_ids=[10**6])

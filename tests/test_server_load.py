@@ -43,9 +43,11 @@ def long_tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_hf_dir):
-    # 256 blocks of 16 slots: 64 running sequences of up to 30 tokens fit (2 blocks each) many times over
-    with ServerProcess(tiny_hf_dir, env=ENV, max_num_seqs=64, num_blocks=256, max_waiting_requests=1000,
+def server(long_tiny_dir):
+    # 256 blocks of 16 slots: 64 running sequences of up to 30 tokens fit (2 blocks each) many times over.
+    # The 2048-token context lets a client that hangs up ask for HANG_UP_TOKENS (a max_tokens past the
+    # context is a 400 before any work, as in vLLM).
+    with ServerProcess(long_tiny_dir, env=ENV, max_num_seqs=64, num_blocks=256, max_waiting_requests=1000,
                        attention="torch") as srv:
         yield srv
 
@@ -149,7 +151,7 @@ def test_a_client_that_reads_nothing_does_not_stall_the_engine(server):
     s = socket.create_connection((server.host, server.port))
     try:  # a raw client: sends its request, then never reads a byte
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         t = time.monotonic()
         got = asyncio.run(_many(server.url, 20))

@@ -194,15 +194,16 @@ def serve(
 # -- building the systems ------------------------------------------------------------------
 def build_engine(model: Any, layout: str, num_blocks: int, reserve_tokens: int, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 1024, attention: Any = "auto",
-                 gguf_blocks: bool | None = None) -> Any:
+                 gguf_blocks: bool | None = None, engine: dict | None = None) -> Any:
     """An LLMEngine with ``num_blocks`` KV blocks and the layout's block table (no tokenizer: token ids in).
-    ``gguf_blocks``: EngineConfig's (False: every matmul on the fp32 copies)."""
+    ``gguf_blocks``: EngineConfig's (False: every matmul on the fp32 copies). ``engine``: more
+    EngineConfig settings (``minipaged bench``'s engine flags)."""
     from ..engine import LLMEngine
 
     return LLMEngine(
         model, None, block_table_cls=table_cls_for(layout, reserve_tokens), attention=attention, block_size=block_size,
         num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        gguf_blocks=gguf_blocks,
+        gguf_blocks=gguf_blocks, **(engine or {}),
     )
 
 
@@ -223,17 +224,18 @@ def static_capacity(requests: Seq[Request], table_cls: type, allocator: Any, max
 def run_system(model: Any, system: str, requests: Seq[Request], num_blocks: int, reserve_tokens: int,
                arrivals: Seq[float] | None = None, block_size: int = 16, max_num_seqs: int = 256,
                max_num_batched_tokens: int = 1024, attention: Any = "auto", progress: bool = False,
-               gguf_blocks: bool | None = None) -> ServeResult:
-    """One cell of the factorial (``static_contiguous``, ..., ``continuous_paged``) or ``naive``."""
+               gguf_blocks: bool | None = None, engine: dict | None = None) -> ServeResult:
+    """One cell of the factorial (``static_contiguous``, ..., ``continuous_paged``) or ``naive``.
+    ``engine``: more EngineConfig settings for the engine it builds."""
     if system == "naive":
         eng = build_engine(model, "paged", num_blocks, reserve_tokens, block_size, 1, max_num_batched_tokens, attention,
-                           gguf_blocks)
+                           gguf_blocks, engine)
         return serve(eng, requests, arrivals, "continuous", system=system, progress=progress)
     if system not in FACTORIAL:
         raise ValueError(f"unknown system {system!r}: use 'naive' or one of {FACTORIAL}")
     policy, layout = system.split("_")
     eng = build_engine(model, layout, num_blocks, reserve_tokens, block_size, max_num_seqs, max_num_batched_tokens, attention,
-                       gguf_blocks)
+                       gguf_blocks, engine)
     cap = None
     if policy == "static":
         cap = static_capacity(requests, table_cls_for(layout, reserve_tokens), eng.allocator, max_num_seqs)

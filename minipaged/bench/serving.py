@@ -215,10 +215,12 @@ def run_bench(
     seed: int = 0,
     progress: bool = True,
     gguf_blocks: bool | None = None,
+    engine: dict | None = None,
 ) -> dict:
     """Run every system on one workload with one KV budget: exactly what ``static_batch``
     contiguous max-length reservations take. ``naive_requests=None`` serves every request naively.
-    ``systems`` defaults to the shape's (QUICK or FULL)."""
+    ``systems`` defaults to the shape's (QUICK or FULL). ``engine``: EngineConfig settings every
+    minipaged system gets (the command line's engine flags), over the bench's own choices."""
     if systems is None:
         systems = (QUICK if quick else FULL)["systems"]
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -257,7 +259,15 @@ def run_bench(
     engine_kw = dict(num_blocks=budget_blocks, reserve_tokens=reserve_len, block_size=block_size,
                      max_num_seqs=max(n, 1), max_num_batched_tokens=max_num_batched_tokens, attention=attention,
                      gguf_blocks=gguf_blocks)
+    overrides = dict(engine or {})
+    for key in ("max_num_seqs", "max_num_batched_tokens", "gguf_blocks"):  # run_system's own arguments
+        if key in overrides:
+            engine_kw[key] = overrides.pop(key)
+    gguf_blocks = engine_kw["gguf_blocks"]
+    if overrides:
+        engine_kw["engine"] = overrides
     result: dict = {
+        "engine_flags": dict(engine or {}),
         "quick": quick,
         "gguf_blocks": gguf_blocks,  # None: the engine's default (on where it can be); False: fp32 weights only
         "workload": dict(wl.summary(), scaling=shape),
@@ -519,9 +529,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="every minipaged system multiplies with the fp32 weights only (gguf_blocks=False): "
                          "batching as it pays when each step streams 4-byte weights")
     ap.add_argument("--no-progress", action="store_true")
+    from ..flags import add_engine_flags
+
+    add_engine_flags(ap, skip=BENCH_DECIDES, title="engine options for every minipaged system (minipaged.config.EngineConfig)")
+
+
+# EngineConfig fields the bench sets itself, and why (every other field is a flag).
+BENCH_DECIDES = {
+    "block_size": "the bench's own --block-size",
+    "num_blocks": "the KV budget every system shares, set by --static-batch",
+    "kv_cache_bytes": "the KV budget every system shares, set by --static-batch",
+    "record_trace": "always on: the memory figures are read from the trace",
+}
 
 
 def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int:
+    from ..flags import engine_kwargs
+
     ap = ap or getattr(a, "_parser", None) or argparse.ArgumentParser()
     rates = RATE_FACTORS
     if a.rates:
@@ -542,6 +566,7 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
         block_size=a.block_size, max_output=a.max_output, systems=systems, model_path=a.model,
         attention=a.attention, chat_prompts=a.chat_prompts, seed=a.seed, progress=not a.no_progress,
         shared_prefix=False if a.no_shared_prefix else None, gguf_blocks=False if a.fp32_weights else None,
+        engine=engine_kwargs(a, skip=BENCH_DECIDES),
     )
     res["bench_seconds"] = time.perf_counter() - t0
     res["command"] = " ".join(["minipaged bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else "minipaged bench"

@@ -51,6 +51,26 @@ def text_delta(shown: str, out: Any, stops: list[str]) -> str:
     return ""
 
 
+class _ParamError(ValueError):
+    """A refusal that names the request field to change."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _param_of(e: Exception) -> str:
+    """The request field an engine refusal is about (for the error body's ``param``)."""
+    param = getattr(e, "param", None)
+    if param is not None:
+        return param
+    msg = str(e)
+    for prefix, field_ in (("SamplingParams(n=", "n"), ("max_tokens=", "max_tokens"), ("stop string", "stop")):
+        if msg.startswith(prefix):
+            return field_
+    return "prompt"
+
+
 @dataclass
 class Event:
     """What the engine thread sends a request's handler.
@@ -87,6 +107,7 @@ class _Request:
     auto_max_tokens: bool = False
     first_token_seen: bool = False
     samples: dict = field(default_factory=dict)  # sample index -> _Sample
+    params: Any = None  # its SamplingParams (the metrics' request histograms read n and max_tokens)
 
 
 def samples_of(out: Any) -> list:
@@ -284,27 +305,48 @@ class EngineLoop:
         try:
             if req.auto_max_tokens:
                 prompt, params = self._fill_max_tokens(prompt, params)
+            else:
+                prompt = self._check_max_tokens(prompt, params)
             eng.add_request(prompt, params, request_id=req.request_id)
         except (ValueError, TypeError) as e:
             if self.metrics is not None:
                 self.metrics.on_rejected("invalid")
-            self._send(req, Event("error", error=bad_request(str(e), "prompt")))
+            self._send(req, Event("error", error=bad_request(str(e), _param_of(e))))
             return
         except Exception as e:  # noqa: BLE001 - a broken add must not end the server
             log.error("add_request failed:\n%s", traceback.format_exc())
             self._send(req, Event("error", error=internal_error(f"the engine could not take the request: {type(e).__name__}: {e}")))
             return
+        req.params = params
         self._requests[req.request_id] = req
 
     def _fill_max_tokens(self, prompt: Any, params: Any) -> tuple[Any, Any]:
-        """max_tokens = the room left after the prompt, in the context and in the KV pool."""
+        """max_tokens = the room left after the prompt, in the context and in the KV pool: the answer
+        ends within both (a prompt that leaves no room is the engine's to reject)."""
         encode = getattr(self.engine, "encode_prompt", None)
         if encode is None:
             return prompt, params
         ids = list(encode(prompt))
         pool = self.engine.allocator.num_blocks * self.engine.allocator.block_size
-        room = min(self.max_model_len, pool) - len(ids) + 1  # the last token is returned, never cached
+        # the context holds prompt + answer; the pool one token less (the last token is returned, never cached)
+        room = min(self.max_model_len - len(ids), pool - len(ids) + 1)
         return ids, dataclasses.replace(params, max_tokens=max(1, room))
+
+    def _check_max_tokens(self, prompt: Any, params: Any) -> Any:
+        """A max_tokens that cannot fit after the prompt is refused before any work, naming both numbers
+        (vLLM's 400). A prompt that is itself too long is left to the engine, whose message says so.
+        Returns the prompt as token ids (so it is tokenized once), or as it was."""
+        encode = getattr(self.engine, "encode_prompt", None)
+        max_tokens = getattr(params, "max_tokens", None)
+        if encode is None or not isinstance(max_tokens, int) or not self.max_model_len:
+            return prompt
+        ids = list(encode(prompt))
+        if len(ids) < self.max_model_len and len(ids) + max_tokens > self.max_model_len:
+            raise _ParamError("max_tokens",
+                f"this model's maximum context length is {self.max_model_len} tokens, but {len(ids) + max_tokens} were "
+                f"asked for: {len(ids)} in the prompt and max_tokens={max_tokens} for the answer; the prompt leaves room for "
+                f"{self.max_model_len - len(ids)}: lower max_tokens to at most {self.max_model_len - len(ids)}, or shorten the prompt")
+        return ids
 
     def _abort_now(self, rid: str, final: bool) -> None:
         req = self._requests.pop(rid, None)
@@ -360,7 +402,7 @@ class EngineLoop:
         if out.finished:
             self._requests.pop(req.request_id, None)
             if m is not None:
-                m.on_finish(out, now - req.arrival)
+                m.on_finish(out, now - req.arrival, req.params)
 
     def _fail_step(self, e: Exception) -> None:
         """A step raised: every in-flight request ends with an error, and its blocks are freed."""

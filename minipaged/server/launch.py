@@ -103,7 +103,7 @@ class ServerProcess:
             return "(no log)"
 
     def metrics(self) -> dict[str, float]:
-        """``GET /metrics``, parsed: {"minipaged:num_requests_running": 0.0, ...} (labels summed)."""
+        """``GET /metrics``, parsed: {"vllm:num_requests_running": 0.0, ...} (labels summed)."""
         from .metrics import parse_metrics
 
         with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
