@@ -28,4 +28,10 @@ def __getattr__(name):  # the engine pulls in the model code: import it only whe
     if name == "SamplingParams":
         from .sampling import SamplingParams
         return SamplingParams
+    if name == "EngineArgs":
+        from .engine_args import EngineArgs
+        return EngineArgs
+    if name in ("RequestOutput", "CompletionOutput", "RequestMetrics"):
+        from . import outputs
+        return getattr(outputs, name)
     raise AttributeError(f"module 'minipaged' has no attribute {name!r}")

@@ -115,8 +115,10 @@ def test_bench_serve_command_writes_the_report_and_plot(server, tmp_path):
     for f in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         assert set(rep[f]) == {"mean", "p50", "p90", "p99"} and rep[f]["p50"] > 0
     assert rep["completed"] == 12 and rep["failed"] == 0 and rep["settings"]["model"] == "tiny_llama0"
-    # ignore_eos: the server generated exactly what was asked
-    asked = sum(x.output_len for x in make_requests("sharegpt-like", 12, 0, 512, 0.2, 60, 16))
+    # ignore_eos: the server generated exactly what was asked (no --seed: a fresh one, kept in the report)
+    seed = rep["settings"]["seed"]
+    assert isinstance(seed, int) and f"seed {seed}" in r.stdout
+    asked = sum(x.output_len for x in make_requests("sharegpt-like", 12, seed, 512, 0.2, 60, 16))
     assert rep["total_output_tokens"] == asked
     assert png.stat().st_size > 10_000
     assert "TTFT" in r.stdout and "goodput" in r.stdout

@@ -164,9 +164,10 @@ def test_seeded_sampling_is_reproducible_over_http(client):
     (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-1), "temperature"),
     (dict(top_p=0), "top_p"),
-    (dict(extra_body={"logprobs": 3}), "logprobs"),
-    (dict(extra_body={"frequency_penalty": 0.5}), "frequency_penalty"),
-    (dict(extra_body={"max_tokns": 5}), "max_tokns"),
+    (dict(logprobs=99), "logprobs"),
+    (dict(frequency_penalty=5), "frequency_penalty"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(extra_body={"response_format": {"type": "json_object"}}), "response_format"),
 ])
 def test_invalid_parameters_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -252,11 +253,11 @@ def test_metrics_report_what_happened(client, server):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_kv_blocks_used", "num_preemptions_total",
                  "time_to_first_token_seconds_count", "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
                  "generation_tokens_total", "request_success_total"):
-        assert "minipaged:" + name in m, f"/metrics has no minipaged:{name}"
-    assert m["minipaged:num_requests_running"] == 0 and m["minipaged:num_kv_blocks_used"] == 0
-    assert m["minipaged:time_to_first_token_seconds_count"] >= 1
-    assert m["minipaged:inter_token_latency_seconds_count"] >= 4
-    assert m["minipaged:generation_tokens_total"] >= m["minipaged:inter_token_latency_seconds_count"] + m["minipaged:time_to_first_token_seconds_count"]
+        assert "vllm:" + name in m, f"/metrics has no vllm:{name}"
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:num_kv_blocks_used"] == 0
+    assert m["vllm:time_to_first_token_seconds_count"] >= 1
+    assert m["vllm:inter_token_latency_seconds_count"] >= 4
+    assert m["vllm:generation_tokens_total"] >= m["vllm:inter_token_latency_seconds_count"] + m["vllm:time_to_first_token_seconds_count"]
     h = httpx.get(server.base + "/health", timeout=10)
     assert h.status_code == 200
 
@@ -269,7 +270,7 @@ def test_concurrent_streams_are_batched_together(client, server):
 
     def watch():
         while not stop.is_set():
-            seen.append(server.metrics()["minipaged:num_requests_running"])
+            seen.append(server.metrics()["vllm:num_requests_running"])
             time.sleep(0.05)
 
     w = threading.Thread(target=watch)

@@ -294,14 +294,27 @@ def _run(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
+def fresh_seed() -> int:
+    """A seed no earlier run is likely to have used (from the OS's randomness)."""
+    import secrets
+
+    return secrets.randbelow(2**31)
+
+
 def run_load(url: str, rate: float = float("inf"), num_requests: int = 32, dataset: str = "sharegpt-like",
-             arrival: str = "poisson", burst_size: int = 8, seed: int = 0, endpoint: str = "completions",
+             arrival: str = "poisson", burst_size: int = 8, seed: int | None = None, endpoint: str = "completions",
              model: str | None = None, scale: float = 1.0, max_prompt: int = 256, max_output: int = 256,
              fixed: tuple[int, int] = (64, 32), vocab_size: int = 49152, prompt_format: str | None = None,
              max_concurrency: int | None = None, duration_s: float | None = None, timeout_s: float = 600.0,
              slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 200.0, ignore_eos: bool = True,
              progress: bool = True, on_tick: Any = None) -> dict:
-    """One run at one rate; the JSON report as a dict (see ``summarize``), with its settings."""
+    """One run at one rate; the JSON report as a dict (see ``summarize``), with its settings.
+
+    ``seed``: the prompts and arrival times. None (the default) draws a fresh one each run, so a
+    second run against the same server does not find its prompts in the prefix cache; the seed
+    used is in ``report["settings"]["seed"]``, and passing it again repeats the run's requests."""
+    if seed is None:
+        seed = fresh_seed()
     fmt = prompt_format or ("text" if endpoint == "chat" else "ids")
     reqs = make_requests(dataset, num_requests, seed, vocab_size, scale, max_prompt, max_output, fixed, fmt)
     times = arrival_times(num_requests, rate, arrival, burst_size, seed)
@@ -321,7 +334,9 @@ def run_load(url: str, rate: float = float("inf"), num_requests: int = 32, datas
 
 
 def sweep(url: str, rates: list[float], **kw: Any) -> list[dict]:
-    """``run_load`` at each rate in turn (same requests each time): latency against load."""
+    """``run_load`` at each rate in turn: latency against load. Without ``seed``, each rate gets
+    fresh prompts (the same prompts again would be served from the prefix cache); with one, the
+    same requests each time."""
     return [run_load(url, rate=r, **kw) for r in rates]
 
 
@@ -392,7 +407,7 @@ def find_knee(reports: list[dict], key: str = "ttft_ms", factor: float = 3.0) ->
 def format_report(r: dict) -> str:
     s = r["settings"]
     lines = [
-        f"{s['num_requests']} requests ({s['dataset']}), {s['arrival']} arrivals at {s['rate']} req/s -> {s['url']} ({s['model']})",
+        f"{s['num_requests']} requests ({s['dataset']}, seed {s.get('seed')}), {s['arrival']} arrivals at {s['rate']} req/s -> {s['url']} ({s['model']})",
         f"completed {r['completed']}, failed {r['failed']} in {r['duration_s']:.1f} s",
         f"throughput: {r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} output tok/s, {r['total_token_throughput']:.1f} total tok/s",
     ]
@@ -455,7 +470,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=49152, help="token ids in prompts stay below this (SmolLM2's vocabulary)")
     p.add_argument("--prompt-format", default=None, choices=["ids", "text"], help="default: ids for completions, text for chat")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="the prompts and arrivals; default: a fresh seed each run (printed), so a second run does not "
+                        "hit the prefix cache with the first run's prompts. Give it to repeat a run exactly")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput counts requests with TTFT at most this")
     p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="... and TPOT at most this")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let the model stop early (lengths then vary)")

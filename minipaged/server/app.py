@@ -5,7 +5,7 @@ that went away (its request is aborted), and turning every error into an OpenAI-
 with a 4xx (or a bare 500 without a traceback). It never calls the engine: it talks to the
 engine loop only, through ``submit`` / ``abort`` and each request's event queue.
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``"stream": true``), ``GET /health``, ``GET /metrics``.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import protocol as P
 from .engine_loop import EngineLoop, Event, samples_of
 from .metrics import ServerMetrics
+from .security import Guard, unencodable
 
 log = logging.getLogger("minipaged.server")
 
@@ -46,6 +47,11 @@ class ServerConfig:
     max_prompts: int = 64
     drain_timeout_s: float = 10.0
     default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
+    # security.Guard: a key every /v1 route needs as "Authorization: Bearer <key>" (None: none), and
+    # the Host names answered (None: any; "loopback": this machine's own, as `serve` sets on 127.0.0.1)
+    api_key: str | None = None
+    allowed_hosts: Any = None
+    log_requests: bool = False  # log each request's id, prompt count and sampling parameters (info level)
 
     def __post_init__(self) -> None:
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
@@ -56,15 +62,24 @@ class ServerConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ValueError("api_key must be a non-empty string, or None for no key")
 
 
 class _Disconnected(Exception):
     pass
 
 
+class _SafeJSON(JSONResponse):
+    """A JSON body that renders whatever a message quotes (a lone surrogate too) as ASCII escapes."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 def _error_response(e: P.APIError) -> JSONResponse:
     headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return _SafeJSON(e.body(), status_code=e.status, headers=headers)
 
 
 async def _read_json(request: Request, limit: int) -> Any:
@@ -79,9 +94,13 @@ async def _read_json(request: Request, limit: int) -> Any:
     if not buf:
         raise P.bad_request("the request has no body: send a JSON object")
     try:
-        return json.loads(buf)
+        data = json.loads(buf)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise P.bad_request(f"the body is not valid JSON ({str(e)[:120]}): send a JSON object") from None
+    bad = unencodable(data)
+    if bad is not None:  # "\udcff" is valid JSON but no text: say where, never fail later with a 500
+        raise P.bad_request(f"{bad}, which cannot be encoded as UTF-8: send whole surrogate pairs or UTF-8 text", None, "invalid_string")
+    return data
 
 
 def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerConfig | None = None) -> FastAPI:
@@ -106,6 +125,7 @@ def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerCon
     app.state.engine_loop = loop_
     app.state.metrics = metrics
     app.state.config = cfg
+    app.add_middleware(Guard, api_key=cfg.api_key, allowed_hosts=cfg.allowed_hosts)
 
     @app.exception_handler(P.APIError)
     async def _api_error(request: Request, e: P.APIError):
@@ -138,12 +158,20 @@ def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerCon
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
 
+    def _model_card(name: str, created: int) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "minipaged", "root": cfg.model_names[0],
+                "parent": None, "max_model_len": loop_.max_model_len}
+
     @app.get("/v1/models")
     async def models():
         created = P.now()
-        data = [{"id": n, "object": "model", "created": created, "owned_by": "minipaged", "root": cfg.model_names[0],
-                 "max_model_len": loop_.max_model_len} for n in cfg.model_names]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [_model_card(n, created) for n in cfg.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_info(model_id: str):
+        if model_id not in cfg.model_names:
+            raise P.model_not_found(model_id, list(cfg.model_names))
+        return _model_card(model_id, P.now())
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -166,6 +194,8 @@ def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerCon
         if len(prompts) > cfg.max_prompts:
             raise P.bad_request(f"{len(prompts)} prompts in one request, more than {cfg.max_prompts}: split the batch", "prompt")
         rid = P.new_id(kind)
+        if cfg.log_requests:
+            log.info("request %s: %s, %d prompt(s), %s", rid, kind, len(prompts), params)
         sub_ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         events: asyncio.Queue = asyncio.Queue()
         aio = asyncio.get_running_loop()
@@ -173,24 +203,37 @@ def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerCon
         for sid, prompt in zip(sub_ids, prompts):
             loop_.submit(sid, prompt, params, events, aio, arrival, auto_max_tokens=auto)
         call = _Call(kind, rid, model, P.now(), sub_ids, events, loop_, n=getattr(params, "n", 1))
+        if getattr(params, "logprobs", None) is not None:
+            call.top_logprobs = params.logprobs
+        if kind == "completion" and req.echo:
+            call.echo = {sid: _prompt_text(loop_, p) for sid, p in zip(sub_ids, prompts)}
+        call.watch(request)  # a hang-up is noticed the moment it happens, however busy the request is
+        handed_off = False
         try:
             await call.wait_first(request)  # errors (bad prompt, too long, overloaded) before any header
-        except (P.APIError, _Disconnected, asyncio.CancelledError) as e:
-            call.abort_unfinished()
-            if isinstance(e, _Disconnected):
-                return Response(status_code=499)
-            raise
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(call, include_usage)
-        try:
+            if req.stream:  # from here the streaming response listens for the hang-up, and aborts, itself
+                call.unwatch()
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                call.continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+                handed_off = True
+                return _EventStream(call, include_usage)
             return JSONResponse(await call.collect(request))
         except _Disconnected:
             return Response(status_code=499)
         finally:
-            call.abort_unfinished()
+            call.unwatch(check=False)
+            if not handed_off:
+                call.abort_unfinished()
 
     return app
+
+
+def _prompt_text(loop_: EngineLoop, prompt: Any) -> str:
+    """A completion prompt's text, for ``echo``: the string itself, or its token ids decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    tok = getattr(loop_.engine, "tokenizer", None)
+    return tok.decode(list(prompt)) if tok is not None else ""
 
 
 class _EventStream(StreamingResponse):
@@ -224,6 +267,32 @@ class _Call:
         self.buffered: list[Event] = []
         self.prompt_tokens: dict[str, int] = {}
         self.completion_tokens: dict[str, int] = {}
+        self.top_logprobs: int | None = None  # logprobs asked for: this many top tokens per position
+        self.echo: dict[str, str] | None = None  # completions with echo: each prompt's text
+        self.continuous_usage = False  # stream_options.continuous_usage_stats: usage in every chunk
+        self.logprobs_sent: dict[int, int] = {}  # choice -> positions of logprobs already streamed
+        self.text_sent: dict[int, int] = {}  # choice -> characters already streamed (text_offset)
+        self._watcher: asyncio.Future | None = None
+        self.gone = False  # the client hung up
+
+    def watch(self, request: Request) -> None:
+        """Watch for the client's hang-up (``http.disconnect``) until ``unwatch``."""
+        async def wait_gone() -> None:
+            while (await request.receive()).get("type") != "http.disconnect":
+                pass
+
+        self._watcher = asyncio.ensure_future(wait_gone())
+
+    def unwatch(self, check: bool = True) -> None:
+        """Stop watching; with ``check``, raise _Disconnected if the client already hung up."""
+        w, self._watcher = self._watcher, None
+        if w is None:
+            return
+        if w.done() and not w.cancelled() and w.exception() is None:
+            self.gone = True
+            if check:
+                raise _Disconnected()
+        w.cancel()
 
     def _choice(self, request_id: str, sample: int) -> int:
         return self.index[request_id] * self.n + sample
@@ -231,12 +300,18 @@ class _Call:
     async def _next(self, request: Request | None) -> Event:
         """The next event; while none comes, check every second whether the client is still there."""
         get = asyncio.ensure_future(self.events.get())
+        watcher = self._watcher if request is not None else None
         try:
             while True:
-                done, _ = await asyncio.wait({get}, timeout=1.0)
-                if done:
+                done, _ = await asyncio.wait({get} | ({watcher} if watcher is not None else set()), timeout=1.0,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if watcher is not None and watcher.done():
+                    self.gone = True
+                    raise _Disconnected()
+                if get in done:
                     return get.result()
-                if request is not None and await request.is_disconnected():
+                if request is not None and watcher is None and await request.is_disconnected():
+                    self.gone = True
                     raise _Disconnected()
         finally:
             if not get.done():
@@ -265,9 +340,25 @@ class _Call:
             self.loop_.abort(sid)
         self.unfinished.clear()
 
+    def _usage(self) -> dict:
+        return P.usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+
+    def _logprobs(self, entries: list, offset: int = 0) -> dict:
+        n = self.top_logprobs or 0
+        return P.chat_logprobs(entries, n) if self.kind == "chat" else P.completion_logprobs(entries, n, offset)
+
+    def _entries(self, out: Any, sample: Any) -> list:
+        """A sample's per-token logprobs; with echo, the prompt's first (its first position has none)."""
+        entries = list(getattr(sample, "logprobs", None) or [])
+        if self.echo:
+            pl = getattr(out, "prompt_logprobs", None)
+            entries = (list(pl) if pl else [None] * len(out.prompt_token_ids)) + entries
+        return entries
+
     async def collect(self, request: Request) -> dict:
         texts = {i: "" for i in range(len(self.index) * self.n)}
         reasons: dict[int, str | None] = {}
+        logprobs: dict[int, Any] = {}
         pending = list(self.buffered)
         while pending or self.unfinished:
             ev = pending.pop(0) if pending else await self._next(request)
@@ -279,9 +370,13 @@ class _Call:
                 if reason is not None:
                     reasons[self._choice(ev.request_id, j)] = P.finish_reason(reason)
             if ev.output.finished:  # the engine's final texts, stop strings already cut
+                prefix = self.echo.get(ev.request_id, "") if self.echo else ""
                 for j, sample in enumerate(samples_of(ev.output)):
-                    texts[self._choice(ev.request_id, j)] = sample.text
-        choices = [{"index": i, "text": texts[i], "finish_reason": reasons.get(i)} for i in sorted(texts)]
+                    c = self._choice(ev.request_id, j)
+                    texts[c] = prefix + sample.text
+                    if self.top_logprobs is not None:
+                        logprobs[c] = self._logprobs(self._entries(ev.output, sample))
+        choices = [{"index": i, "text": texts[i], "finish_reason": reasons.get(i), "logprobs": logprobs.get(i)} for i in sorted(texts)]
         return P.completion_body(self.kind, self.rid, self.model, choices, sum(self.prompt_tokens.values()),
                                  sum(self.completion_tokens.values()), self.created)
 
@@ -297,9 +392,20 @@ class _Call:
                 if ev.kind == "error":
                     yield P.sse(ev.error.body())
                     break
+                samples = samples_of(ev.output)
                 for j, delta, reason in ev.choices:
-                    yield P.sse(P.chunk(self.kind, self.rid, self.model, self.created, self._choice(ev.request_id, j),
-                                        delta, P.finish_reason(reason)))
+                    c = self._choice(ev.request_id, j)
+                    lp = None
+                    if self.echo and c not in self.text_sent:  # the prompt goes first, in the first chunk
+                        delta = self.echo.get(ev.request_id, "") + delta
+                    if self.top_logprobs is not None and j < len(samples):
+                        entries = self._entries(ev.output, samples[j])
+                        sent = self.logprobs_sent.get(c, 0)
+                        lp = self._logprobs(entries[sent:], self.text_sent.get(c, 0))
+                        self.logprobs_sent[c] = len(entries)
+                    self.text_sent[c] = self.text_sent.get(c, 0) + len(delta)
+                    yield P.sse(P.chunk(self.kind, self.rid, self.model, self.created, c, delta, P.finish_reason(reason),
+                                        logprobs=lp, usage_so_far=self._usage() if self.continuous_usage else None))
             if include_usage:
                 yield P.sse(P.usage_chunk(self.kind, self.rid, self.model, self.created,
                                           sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())))

@@ -1,4 +1,5 @@
-"""Prometheus metrics for ``GET /metrics``, named after vLLM's (``vllm:X`` -> ``minipaged:X``).
+"""Prometheus metrics for ``GET /metrics``, under vLLM's own names (``vllm:num_requests_running``, ...),
+so dashboards and alerts built for a vLLM server read a minipaged one unchanged.
 
 Owns one private ``CollectorRegistry`` per server (so two servers in one process never share a
 series) and the update hooks the engine loop calls: after every step, at each request's first
@@ -7,7 +8,11 @@ token, at every later token, at each finish. It reads nothing from the engine it
 Gauges: ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` and the block
 counts. Counters: preemptions, prompt and generation tokens, finished requests by reason,
 rejected requests by reason, prefix-cache queries and hits (tokens; present once the engine has
-a prefix cache). Histograms: time to first token, inter-token latency, end-to-end latency.
+a prefix cache). Histograms, per token: inter-token latency; per request (vLLM's request-level
+ones): time to first token, end-to-end latency, queue time, prefill time, decode time,
+inference time, prompt and generation token counts, ``n`` and ``max_tokens``.
+``vllm:request_rejected_total``, ``vllm:request_aborted_total`` and the block counts are
+minipaged's own additions. ``parse_metrics`` also answers to the old ``minipaged:`` names.
 """
 from __future__ import annotations
 
@@ -22,11 +27,15 @@ try:  # "_created" timestamps double every counter's lines and say nothing a lea
 except ImportError:  # older prometheus-client
     pass
 
-PREFIX = "minipaged:"
+PREFIX = "vllm:"
+OLD_PREFIX = "minipaged:"  # the names before they were vLLM's; parse_metrics still answers to them
 # Seconds; a CPU serves slower than a GPU, so the buckets reach further than vLLM's.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class ServerMetrics:
@@ -62,6 +71,14 @@ class ServerMetrics:
         self.ttft = hist("time_to_first_token_seconds", "From arrival at the server to the first generated token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Between consecutive generated tokens of one request.", ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "From arrival at the server to the last token.", E2E_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "From arrival at the engine to its first step (waiting).", PHASE_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "From the first step to the first token (prefill).", PHASE_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds", "From the first token to the last (decode).", PHASE_BUCKETS)
+        self.inference_time = hist("request_inference_time_seconds", "From the first step to the last token (prefill + decode).", PHASE_BUCKETS)
+        self.req_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
+        self.req_generation_tokens = hist("request_generation_tokens", "Generated tokens per finished request (all samples).", TOKEN_BUCKETS)
+        self.req_n = hist("request_params_n", "The n (samples) of each finished request.", N_BUCKETS)
+        self.req_max_tokens = hist("request_params_max_tokens", "The max_tokens of each finished request.", TOKEN_BUCKETS)
         self._seen_preemptions = 0
         self._seen_pc = {"queries": 0, "hits": 0}
 
@@ -92,9 +109,30 @@ class ServerMetrics:
             self.itl.observe(seconds_each)
         self.generation_tokens.inc(count)
 
-    def on_finish(self, out: Any, e2e_s: float) -> None:
+    def on_finish(self, out: Any, e2e_s: float, params: Any = None) -> None:
         self.e2e.observe(e2e_s)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.req_prompt_tokens.observe(len(out.prompt_token_ids))
+        samples = getattr(out, "outputs", None) or [out]
+        self.req_generation_tokens.observe(sum(len(s.token_ids) for s in samples))
+        self.req_n.observe(len(samples))
+        if params is not None and getattr(params, "max_tokens", None) is not None:
+            self.req_max_tokens.observe(params.max_tokens)
+        m = getattr(out, "metrics", None)
+        get = (lambda k: getattr(m, k, None)) if m is not None and not isinstance(m, dict) else (lambda k: (m or {}).get(k))
+        arrival, scheduled, first, last = get("arrival_time"), get("first_scheduled_time"), get("first_token_time"), get("last_token_time")
+        if last is None:
+            last = get("finished_time") if get("finished_time") is not None else get("finish_time")
+        if scheduled is None:
+            scheduled = arrival
+        if arrival is not None and scheduled is not None:
+            self.queue_time.observe(max(0.0, scheduled - arrival))
+        if scheduled is not None and first is not None:
+            self.prefill_time.observe(max(0.0, first - scheduled))
+        if first is not None and last is not None:
+            self.decode_time.observe(max(0.0, last - first))
+        if scheduled is not None and last is not None:
+            self.inference_time.observe(max(0.0, last - scheduled))
         self.success.labels(finished_reason=str(out.finish_reason), **self._labels).inc()
 
     def on_rejected(self, reason: str) -> None:
@@ -109,7 +147,9 @@ class ServerMetrics:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {"name{labels}": value}, plus each name summed over its labels (for lessons, tests)."""
+    """Prometheus text -> {"name{labels}": value}, plus each name summed over its labels (for lessons, tests).
+
+    Every ``vllm:X`` key is also there as ``minipaged:X`` (the names of earlier versions)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -123,4 +163,6 @@ def parse_metrics(text: str) -> dict[str, float]:
         name = key.split("{", 1)[0]
         if "{" in key and "le=" not in key:
             out[name] = out.get(name, 0.0) + v
+    for key in [k for k in out if k.startswith(PREFIX)]:
+        out[OLD_PREFIX + key[len(PREFIX):]] = out[key]
     return out

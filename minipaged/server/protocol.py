@@ -5,16 +5,17 @@ building the JSON of responses and streamed chunks. It never calls the engine: w
 engine itself refuses (token ids out of range, a prompt too long) comes back through
 ``engine_loop`` as an error event and is turned into a body here.
 
-Requests are strict: a wrong type is an error (``"max_tokens": "5"`` is not 5, ``true`` is not
-1), an unknown field is an error naming the nearest known one, and an OpenAI field minipaged
-does not implement (``logprobs``, penalties, tools, ...) is refused when it is set, never
-silently ignored.
+Known fields are strict: a wrong type is an error (``"max_tokens": "5"`` is not 5, ``true`` is
+not 1). An unknown field is ignored and logged once (vLLM does the same, and clients such as
+guidellm and aiperf send fields of their own); a field minipaged does not implement and that
+would change the answer (tools, response_format, guided decoding, ...) is refused when it is set.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import json
+import logging
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
@@ -22,6 +23,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..sampling import SamplingParams
+
+log = logging.getLogger("minipaged.server")
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -64,28 +67,39 @@ def internal_error(message: str) -> APIError:
 
 
 # -- requests ------------------------------------------------------------------------------
-# OpenAI fields minipaged does not implement, and the values that mean "not used".
+# Fields minipaged does not implement, and the values that mean "not used". Set to anything
+# else they are refused (400, code "unsupported_parameter"): ignoring them would change the
+# answer without saying so (a tool call or a JSON schema that is never honoured).
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
-    "tool_choice": (None, "none"),
+    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
+    "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "use_beam_search": (None, False),
+    "chat_template": (None,),
+    "prompt_embeds": (None,),
 }
-# Accepted and ignored on purpose: they change nothing about what is generated.
-IGNORED = ("user",)
+# Any other field a request's schema does not know is ignored and logged once per name, as
+# vLLM does (clients send ``store``, ``metadata``, ``parallel_tool_calls``, ``service_tier``...).
+_LOGGED_UNKNOWN: set[str] = set()
+MAX_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _Common(BaseModel):
@@ -93,9 +107,11 @@ class _Common(BaseModel):
 
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
     temperature: Optional[float] = Field(default=None, ge=0, le=2)  # OpenAI's range
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=-1)  # vLLM's extension: 0 or -1 keeps every token
+    min_p: Optional[float] = Field(default=None, ge=0, le=1)  # vLLM's extension
     seed: Optional[int] = None  # its range is SamplingParams' to check
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None  # vLLM's extension
@@ -104,6 +120,16 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0)  # vLLM's extension
+    min_tokens: Optional[int] = Field(default=None, ge=0)  # vLLM's extension
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a string, OpenAI's form) -> bias
+    allowed_token_ids: Optional[list[int]] = None  # vLLM's extension
+    include_stop_str_in_output: bool = False  # vLLM's extension
+    skip_special_tokens: bool = True  # vLLM's extension
+    spaces_between_special_tokens: bool = True  # vLLM's extension
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
 
     @field_validator("stop")
     @classmethod
@@ -135,11 +161,16 @@ class ChatMessage(BaseModel):
 class CompletionRequest(_Common):
     # a string, a list of token ids, or a batch of either (one choice per prompt)
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top tokens per generated token
+    echo: bool = False  # the answer starts with the prompt
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True  # vLLM's extension: open the assistant's turn
+    continue_final_message: bool = False  # vLLM's extension: the last (assistant) message goes on
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]"}
@@ -162,21 +193,32 @@ def _describe(e: dict) -> tuple[str, str | None]:
 
 
 def parse_request(kind: Literal["completion", "chat"], data: Any):
-    """A decoded JSON body -> a validated request model, or an APIError(400) that says what to fix."""
+    """A decoded JSON body -> a validated request model, or an APIError(400) that says what to fix.
+
+    Unknown fields are ignored (and logged once per name), as vLLM ignores them; a field in
+    ``UNSUPPORTED`` set to a value that matters is refused."""
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
-    known = set(cls.model_fields) | set(UNSUPPORTED)
+    if kind == "completion" and "messages" in data and "prompt" not in data:
+        raise bad_request("messages: this is a chat request; send it to /v1/chat/completions (or give a prompt)", "messages")
+    if kind == "chat" and "prompt" in data and "messages" not in data:
+        raise bad_request("prompt: this is a completion request; send it to /v1/completions (or give messages)", "prompt")
+    known = set(cls.model_fields)
+    body = {}
     for key, value in data.items():
         if key in UNSUPPORTED:
             if not any(value == ok and type(value) is type(ok) or value is ok for ok in UNSUPPORTED[key]):
                 raise bad_request(f"{key} is not supported by minipaged; leave it out (got {json.dumps(value)[:80]})", key, "unsupported_parameter")
         elif key not in known:
-            near = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" Did you mean {near[0]!r}?" if near else ""
-            raise bad_request(f"unknown field {key!r}.{hint}", key, "unknown_parameter")
+            if key not in _LOGGED_UNKNOWN:
+                _LOGGED_UNKNOWN.add(key)
+                near = difflib.get_close_matches(key, sorted(known), n=1)
+                log.warning("ignoring the unknown request field %r%s (logged once)", key, f" (did you mean {near[0]!r}?)" if near else "")
+        else:
+            body[key] = value
     try:
-        req = cls.model_validate({k: v for k, v in data.items() if k not in UNSUPPORTED})
+        req = cls.model_validate(body)
     except ValidationError as err:
         msg, param = _describe(err.errors(include_url=False)[0])
         raise bad_request(msg, param) from None
@@ -186,13 +228,25 @@ def parse_request(kind: Literal["completion", "chat"], data: Any):
             raise bad_request("prompt: an empty list is no prompt; give a string, token ids, or a list of them", "prompt")
         if isinstance(p, list) and isinstance(p[0], list) and any(not x for x in p):
             raise bad_request("prompt: one of the token-id prompts is empty", "prompt")
+    else:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs \"logprobs\": true", "top_logprobs")
+        if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
+            raise bad_request("continue_final_message needs the last message to be the assistant's, and "
+                              "\"add_generation_prompt\": false", "continue_final_message")
     return req
 
 
 def prompts_of(req) -> list[Any]:
-    """The engine prompts a request asks for: one per choice group (a batch of prompts gives several)."""
+    """The engine prompts a request asks for: one per choice group (a batch of prompts gives several).
+    A chat is a list of messages; with ``add_generation_prompt=False`` or ``continue_final_message``
+    it is ``{"messages": [...], "add_generation_prompt": ..., "continue_final_message": ...}``."""
     if isinstance(req, ChatCompletionRequest):
-        return [[{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]]
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        if req.add_generation_prompt and not req.continue_final_message:
+            return [msgs]
+        return [{"messages": msgs, "add_generation_prompt": req.add_generation_prompt,
+                 "continue_final_message": req.continue_final_message}]
     p = req.prompt
     if isinstance(p, str):
         return [p]
@@ -214,11 +268,9 @@ def supports_n() -> bool:
 
 def sampling_params_of(req, default_max_tokens: int) -> SamplingParams:
     """The request's SamplingParams; an engine refusal (ValueError/TypeError) becomes a 400 naming the field."""
-    if isinstance(req, ChatCompletionRequest) and req.max_tokens is not None and req.max_completion_tokens is not None:
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_tokens")
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatCompletionRequest) and max_tokens is None:
-        max_tokens = req.max_completion_tokens
+    max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
     kw: dict[str, Any] = dict(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=1.0 if req.temperature is None else float(req.temperature),
@@ -228,7 +280,31 @@ def sampling_params_of(req, default_max_tokens: int) -> SamplingParams:
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
     )
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if getattr(req, name) is not None:
+            kw[name] = float(getattr(req, name))
+    if req.min_tokens:
+        kw["min_tokens"] = req.min_tokens
+    if req.allowed_token_ids is not None:
+        kw["allowed_token_ids"] = list(req.allowed_token_ids)
+    if req.logit_bias:
+        try:
+            kw["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise bad_request(f"logit_bias: the keys must be token ids, got {sorted(req.logit_bias)[:5]}", "logit_bias") from None
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs:
+            kw["logprobs"] = req.top_logprobs or 0
+    elif req.logprobs is not None:
+        kw["logprobs"] = req.logprobs
+        if req.echo:
+            kw["prompt_logprobs"] = req.logprobs
+    if req.prompt_logprobs is not None:
+        kw["prompt_logprobs"] = req.prompt_logprobs
     if req.n != 1:
         if not supports_n():
             raise bad_request(f"n > 1 is not supported yet by this engine (got n={req.n}): send n separate requests", "n", "unsupported_parameter")
@@ -236,8 +312,9 @@ def sampling_params_of(req, default_max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
-        field = str(e).split(" ", 1)[0]
-        raise bad_request(f"invalid sampling parameters: {e}", field if field in kw else None) from None
+        msg = str(e)
+        field = next((k for k in kw if msg.startswith(k) or f"({k}=" in msg), None)
+        raise bad_request(f"invalid sampling parameters: {e}", field) from None
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -254,29 +331,80 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _token(tid: int, lp: Any) -> str:
+    t = getattr(lp, "decoded_token", None)
+    return t if t is not None else f"token_id:{tid}"
+
+
+def _top(entry: dict, n: int) -> list:
+    """The top ``n`` of one position's {token id: Logprob}, by rank."""
+    ranked = sorted(((lp.rank or 0, tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= n))
+    return [(tid, lp) for _, tid, lp in ranked]
+
+
+def chat_logprobs(entries: list, n: int) -> dict:
+    """vLLM's per-token logprobs (a {token id: Logprob} per token, the chosen first) -> OpenAI's chat form."""
+    content = []
+    for entry in entries:
+        tid, lp = next(iter(entry.items()))
+        tok = _token(tid, lp)
+        content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")),
+                        "top_logprobs": [{"token": _token(t, x), "logprob": x.logprob, "bytes": list(_token(t, x).encode("utf-8"))}
+                                         for t, x in _top(entry, n)]})
+    return {"content": content}
+
+
+def completion_logprobs(entries: list, n: int, offset: int = 0) -> dict:
+    """The same -> OpenAI's legacy completions form (tokens, token_logprobs, top_logprobs, text_offset).
+    An entry that is None (a prompt's first token, with echo) has no logprob."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in entries:
+        if entry is None:
+            out["tokens"].append(None)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(offset)
+            continue
+        tid, lp = next(iter(entry.items()))
+        tok = _token(tid, lp)
+        out["tokens"].append(tok)
+        out["token_logprobs"].append(lp.logprob)
+        out["top_logprobs"].append({_token(t, x): x.logprob for t, x in [(tid, lp)] + _top(entry, n)})
+        out["text_offset"].append(offset)
+        offset += len(tok)
+    return out
+
+
 def completion_body(kind: str, rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int, created: int) -> dict:
-    """choices: [{"index", "text", "finish_reason"}] -> a whole (non-streamed) response."""
+    """choices: [{"index", "text", "finish_reason", "logprobs"?}] -> a whole (non-streamed) response."""
     if kind == "chat":
-        ch = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]}, "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices]
+        ch = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]}, "logprobs": c.get("logprobs"),
+               "finish_reason": c["finish_reason"]} for c in choices]
         obj = "chat.completion"
     else:
-        ch = [{"index": c["index"], "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices]
+        ch = [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]} for c in choices]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": ch, "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chunk(kind: str, rid: str, model: str, created: int, index: int, text: str | None, reason: str | None, first: bool = False) -> dict:
-    """One streamed chunk for one choice (OpenAI's ``text_completion`` / ``chat.completion.chunk``)."""
+def chunk(kind: str, rid: str, model: str, created: int, index: int, text: str | None, reason: str | None, first: bool = False,
+          logprobs: dict | None = None, usage_so_far: dict | None = None) -> dict:
+    """One streamed chunk for one choice (OpenAI's ``text_completion`` / ``chat.completion.chunk``);
+    ``usage_so_far``: vLLM's ``continuous_usage_stats``."""
     if kind == "chat":
         delta: dict = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-    choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+        body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    if usage_so_far is not None:
+        body["usage"] = usage_so_far
+    return body
 
 
 def usage_chunk(kind: str, rid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict:

@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Give the solved workbooks in solutions/ nbgrader's cell metadata, so nbgrader can grade them.
+
+Derived from what the workbooks already say, so it never drifts: a code cell with
+``### BEGIN SOLUTION`` is a solution cell (grade id ``<workbook>-solution-<k>``); a check cell
+(tagged ``check``, first line ``# CHECK: <name>``) is an autograded test cell, locked, worth one
+point (grade id ``<workbook>-check-<name>``). Other cells get none. ``make exercises`` keeps
+the metadata in exercises/, so a learner's submission carries the grade ids nbgrader matches.
+
+    python scripts/nbgrader_metadata.py           write the metadata into solutions/
+    python scripts/nbgrader_metadata.py --check   exit 1, naming the cells, if any is missing or stale
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = ROOT / "solutions"
+BEGIN = "### BEGIN SOLUTION"
+POINTS_PER_CHECK = 1
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "check"
+
+
+def expected_metadata(nb: nbformat.NotebookNode, stem: str) -> list[dict | None]:
+    """Per cell: the nbgrader metadata it should carry, or None (no nbgrader metadata)."""
+    out: list[dict | None] = []
+    k = 0
+    seen: set[str] = set()
+    for cell in nb.cells:
+        meta = None
+        if cell.cell_type == "code" and "check" in cell.metadata.get("tags", []):
+            first = cell.source.split("\n", 1)[0]
+            name = _slug(first.removeprefix("# CHECK:"))
+            gid = f"{stem}-check-{name}"
+            while gid in seen:
+                gid += "-2"
+            meta = {"grade": True, "grade_id": gid, "locked": True, "points": POINTS_PER_CHECK,
+                    "schema_version": 3, "solution": False, "task": False}
+        elif cell.cell_type == "code" and BEGIN in cell.source:
+            k += 1
+            meta = {"grade": False, "grade_id": f"{stem}-solution-{k}", "locked": False,
+                    "schema_version": 3, "solution": True, "task": False}
+        if meta is not None:
+            seen.add(meta["grade_id"])
+        out.append(meta)
+    return out
+
+
+def problems(solutions: Path = SOLUTIONS) -> list[str]:
+    bad = []
+    for path in sorted(solutions.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for i, (cell, want) in enumerate(zip(nb.cells, expected_metadata(nb, path.stem))):
+            if cell.metadata.get("nbgrader") != want:
+                bad.append(f"{path.name} cell {i}")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true")
+    args = p.parse_args(argv)
+    if args.check:
+        bad = problems()
+        if bad:
+            print("nbgrader metadata missing or stale: " + ", ".join(bad) + ". Run scripts/nbgrader_metadata.py.")
+            return 1
+        print("solutions/ carry nbgrader metadata")
+        return 0
+    for path in sorted(SOLUTIONS.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        changed = False
+        for cell, want in zip(nb.cells, expected_metadata(nb, path.stem)):
+            if cell.metadata.get("nbgrader") != want:
+                changed = True
+                if want is None:
+                    cell.metadata.pop("nbgrader", None)
+                else:
+                    cell.metadata["nbgrader"] = want
+        if changed:
+            text = nbformat.writes(nb)
+            path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
