@@ -449,7 +449,8 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> "LLMEngine":
         """vLLM's constructor: an engine from an ``EngineArgs`` (see minipaged.engine_args)."""
-        return engine_args.create_engine()
+        model, tokenizer = engine_args.load()
+        return cls(model, tokenizer, **engine_args.engine_settings)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -995,7 +996,7 @@ class LLM:
         for name in [k for k in kwargs if k in NO_EFFECT]:  # vLLM settings that mean nothing here
             value = kwargs.pop(name)
             if NO_EFFECT[name] and value not in NO_EFFECT[name]:
-                raise ValueError(f"LLM({name}={value!r}) is unsupported by minipaged (one device, no CUDA graphs); leave it out")
+                raise ValueError(f"LLM({name}={value!r}) is unsupported by minipaged (no pipeline parallelism, no CUDA graphs); leave it out")
         config, parts = split_kwargs(kwargs)  # before loading anything: a typo costs no load time
         dtype = resolve_dtype(dtype)  # vLLM's names ("float32", "half", "auto": float32) or a torch dtype
         if isinstance(tokenizer, (str, os.PathLike)):

@@ -22,7 +22,6 @@ from typing import Any
 NO_EFFECT: dict[str, tuple] = {
     "enforce_eager": (True, False),  # minipaged never captures CUDA graphs
     "trust_remote_code": (True, False),  # no model code is loaded from a model folder
-    "tensor_parallel_size": (1,),
     "pipeline_parallel_size": (1,),
     "disable_log_stats": (True, False),
     "gpu_memory_utilization": (),  # any value: minipaged sizes its KV pool with kv_cache_bytes / num_blocks
@@ -74,12 +73,11 @@ class EngineArgs:
         return cls(model=args.model, tokenizer=getattr(args, "tokenizer", None), dtype=getattr(args, "dtype", "auto"),
                    seed=getattr(args, "seed", None), device=getattr(args, "device", None), **engine_kwargs(args))
 
-    def create_engine(self):
-        """Load the model and tokenizer and build the LLMEngine."""
+    def load(self) -> tuple[Any, Any]:
+        """(model, tokenizer) as these arguments ask (LLMEngine.from_engine_args builds the engine on them)."""
         import torch
 
         from .dtypes import resolve_dtype
-        from .engine import LLMEngine
         from .model import load_model
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,7 +86,7 @@ class EngineArgs:
             tok = load_tokenizer(self.tokenizer)
         if self.seed is not None:
             torch.manual_seed(self.seed)
-        return LLMEngine(model, tok, **self.engine_settings)
+        return model, tok
 
 
 def load_tokenizer(path: Any):
