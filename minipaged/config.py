@@ -63,6 +63,10 @@ class EngineConfig:
     # With the C attention, a prefill chunk over a short context (<= 256) attends each new token
     # as one decode query, straight from the pages.
     prefill_as_decodes: bool | None = None
+    # Speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m} (minipaged/spec_decode.py; its values are
+    # checked when the engine is built), or None: one token a step.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -89,6 +93,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None (on where it can be), got {value!r}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
+            raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', 'num_speculative_tokens': 3}} "
+                             f"or None, got {type(self.speculative_config).__name__}")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True, False or None (on when the scheduler supports it), "
                              f"got {self.enable_prefix_caching!r}")

@@ -57,6 +57,10 @@ class Sequence:
     # parallel sampling: samples 1..n-1 of this request, forked from it (sharing its blocks)
     # when its prompt is computed and its first token sampled; empty once forked
     forks: list = field(default_factory=list)
+    # speculative decoding: draft tokens proposed for this step (minipaged.spec_decode), not yet
+    # verified. The scheduler budgets them after the sequence's own tokens; the update keeps the
+    # accepted ones (as output tokens) and rolls the others back. Empty when not speculating.
+    spec_token_ids: list = field(default_factory=list)
     # the one rule that decides when this request is done (detokenizer.StopChecker, made by
     # StopChecker.for_sequence): the engine attaches one with the tokenizer and stop strings,
     # the scheduler one for a sequence that has none when its first token is sampled
@@ -135,7 +139,7 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # num_computed_tokens before the step: positions start .. start + num_new_tokens - 1
     num_new_tokens: int  # tokens whose KV this step computes
-    samples: bool  # the step reaches the end of the sequence, so its last logits give a new token
+    samples: bool  # the step reaches the end of the sequence (and verifies any drafts past it), so its logits give new tokens
     is_prefill: bool  # False only for a decode: one new token after the whole prompt is computed
 
     @classmethod
@@ -146,7 +150,7 @@ class ScheduledSeq:
             seq=seq,
             start=start,
             num_new_tokens=num_new_tokens,
-            samples=start + num_new_tokens == seq.num_tokens,
+            samples=start + num_new_tokens >= seq.num_tokens,  # past it: draft tokens to verify
             is_prefill=not (num_new_tokens == 1 and start >= seq.num_prompt_tokens),
         )
 

@@ -46,6 +46,7 @@ from .prefix_cache import PrefixCache
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: F401 - vLLM's output types, importable from here too
 from .sampling import Sampler, SamplingParams, prompt_logprobs_of
 from .scheduler import Scheduler
+from .spec_decode import SpecDecoder, SpeculativeConfig
 
 
 @dataclass
@@ -207,6 +208,9 @@ class LLMEngine:
         check_part(parts.scheduler_cls, SchedulerProtocol, "scheduler")
         if not config.enable_chunked_prefill:
             require_support(parts.scheduler_cls, "schedule", "chunked_prefill_off", "enable_chunked_prefill=False", "scheduler")
+        spec = SpeculativeConfig.from_dict(config.speculative_config)  # a bad value is a clear error here
+        if spec is not None:
+            require_support(parts.scheduler_cls, "schedule", "speculative_decoding", "speculative_config", "scheduler")
         self.allocator = parts.allocator_cls(num_blocks, config.block_size)
         check_part(self.allocator, BlockPool, "allocator")
         if self.allocator.num_blocks != num_blocks or self.allocator.block_size != config.block_size:
@@ -236,6 +240,8 @@ class LLMEngine:
             self.executor = make_executor(config, self.model, self.device, parts.attention, self.kv_cache)
         self.runner = ModelRunner(self.device)
         self.sampler = Sampler()
+        # speculative decoding: n-gram drafts, verified in the step's one forward pass (None: off)
+        self.spec = SpecDecoder(spec, config.max_model_len) if spec is not None else None
         self.sampler.decode = self._decode_token if tokenizer is not None else None  # Logprob.decoded_token
         self.requests: dict[str, _Request] = {}  # unfinished requests (finished ones are pruned)
         self._request_of: dict[str, str] = {}  # seq id of sample i >= 1 -> its request id
@@ -629,6 +635,8 @@ class LLMEngine:
         for q in req.samples:
             self._request_of.pop(q.seq_id, None)
             self.sampler.remove(q.seq_id)
+            if self.spec is not None:
+                self.spec.forget(q.seq_id)
             self._totals["generated_tokens"] += len(q.output_token_ids)
             self._totals["preemptions"] += q.num_preemptions
             self._last_finish = max(self._last_finish, q.finish_time or 0.0)
@@ -656,6 +664,8 @@ class LLMEngine:
                 return outputs
             out = None
             try:
+                if self.spec is not None:  # drafts for every sequence about to decode
+                    self.spec.propose(self.scheduler.running)
                 out = self.scheduler.schedule()
                 if out.is_empty:
                     if not outputs:
@@ -702,12 +712,16 @@ class LLMEngine:
                             logits, seqs = logits[keep], [seqs[r] for r in keep]
                         tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.sampling_params for s in seqs]) if seqs else []
                     sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
+                    if self.spec is not None:  # each verifying sequence's accepted run
+                        sampled = self.spec.verify(inputs, hidden, sampled, self.executor.compute_logits, self.sampler)
                     self.last_route = f"{self.executor.last_route}+{next_route}"
                 else:
                     self.last_route = f"{self.executor.last_route}+none"
                 self.route_counts[self.last_route] += 1
                 now = time.perf_counter() - self.t0
                 self.scheduler.update(out, sampled)
+                if self.spec is not None:  # drafts of sequences the budget left out this step go too
+                    self.spec.clear(self.scheduler.running)
             except Exception as e:
                 return outputs + self._fail_step(out, e)
             outputs += self._pending  # requests a non-finite value ended in this step
@@ -863,6 +877,7 @@ class LLMEngine:
             last_token_time=max((t for t in lasts if t is not None), default=None),
             finished_time=max(ends) if done and ends else None,
             num_generation_tokens=sum(len(o.token_ids) for o in outs),
+            spec_decode=self.spec.request_metrics([q.seq_id for q in req.samples]) if self.spec is not None else None,
         )
         return RequestOutput(
             request_id=seq.seq_id,
@@ -921,6 +936,8 @@ class LLMEngine:
             "routes": dict(self.route_counts),  # steps per route ("whole_step+head_argmax", "layers+sampler", ...)
             "preemptions": t["preemptions"] + sum(q.num_preemptions for r in self.requests.values() for q in r.samples),
         }
+        if self.spec is not None:  # acceptance rate, mean acceptance length (vLLM's spec-decode counts)
+            info["spec_decode"] = self.spec.as_dict()
         if self.prefix_cache is not None:
             ps = getattr(self.scheduler, "prefix_stats", None)
             info.update(prefix_hit_rate=ps.hit_rate if ps else None, prefix_hit_tokens=ps.hit_tokens if ps else None,
@@ -998,6 +1015,7 @@ class LLM:
             if NO_EFFECT[name] and value not in NO_EFFECT[name]:
                 raise ValueError(f"LLM({name}={value!r}) is unsupported by minipaged (no pipeline parallelism, no CUDA graphs); leave it out")
         config, parts = split_kwargs(kwargs)  # before loading anything: a typo costs no load time
+        SpeculativeConfig.from_dict(config.speculative_config)  # so does a bad speculative_config
         dtype = resolve_dtype(dtype)  # vLLM's names ("float32", "half", "auto": float32) or a torch dtype
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = load_tokenizer(tokenizer)  # a local folder or GGUF file; a Hub name says so now

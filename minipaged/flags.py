@@ -7,7 +7,8 @@ a new ``EngineConfig`` field is a new flag by itself, typed from its annotation:
 - ``bool``: ``--x`` / ``--no-x`` (``argparse.BooleanOptionalAction``); ``--x false`` works too;
 - ``bool | None``: the same, and ``--x auto`` for None ("decide for me");
 - ``int``, ``float``, ``str`` (and ``| None``, with ``auto`` for None); ``Literal[...]``: its choices;
-- ``tuple[T, ...]`` / ``list[T]``: comma-separated values of T.
+- ``tuple[T, ...]`` / ``list[T]``: comma-separated values of T;
+- ``dict`` (and ``| None``): a JSON object, e.g. ``--speculative-config '{"method": "ngram", ...}'``.
 
 A flag the user does not give is left out, so the engine's own default applies; ``auto`` is
 given explicitly as None. An annotation none of these cover raises TypeError when the parser
@@ -75,8 +76,21 @@ class BoolFlag(argparse.BooleanOptionalAction):
             parser.error(f"{option_string}: {e}")
 
 
+def _json_object(text: str) -> dict:
+    """A JSON object on the command line, e.g. ``--speculative-config '{"method": "ngram", ...}'``."""
+    import json
+
+    value = json.loads(text)  # a JSONDecodeError is a ValueError: reported below as "expected a JSON object"
+    if not isinstance(value, dict):
+        raise ValueError(text)
+    return value
+
+
+_json_object.__name__ = "a JSON object"
+
+
 def _scalar(tp: Any, optional: bool, name: str) -> Callable[[str], Any]:
-    base = {int: int, float: float, str: str}.get(tp)
+    base = {int: int, float: float, str: str, dict: _json_object}.get(tp)
     if base is None:
         raise TypeError(f"EngineConfig.{name}: no command-line type for {tp!r}")
 
@@ -128,7 +142,7 @@ def flag_spec(name: str, tp: Any, default: Any) -> dict:
 
         return dict(type=seq, metavar=f"{getattr(args[0], '__name__', 'X').upper()},...", help=f"default {shown}")
     conv = _scalar(inner, optional, name)
-    metavar = {int: "N", float: "X", str: "S"}[inner] + ("|auto" if optional else "")
+    metavar = {int: "N", float: "X", str: "S", dict: "JSON"}[inner] + ("|auto" if optional else "")
     return dict(type=conv, metavar=metavar, help=f"default {shown}")
 
 

@@ -87,6 +87,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    # speculative decoding: this request's drafts, kept tokens, acceptance rate (None: it verified none)
+    spec_decode: dict | None = None
 
     @property
     def time_in_queue(self) -> float | None:
@@ -107,7 +109,7 @@ class RequestMetrics:
     finish_time = property(lambda self: self.finished_time)  # minipaged's old name
 
     _KEYS = ("arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "finish_time",
-             "finished_time", "time_in_queue", "first_token_latency", "num_generation_tokens")
+             "finished_time", "time_in_queue", "first_token_latency", "num_generation_tokens", "spec_decode")
 
     def __getitem__(self, key: str) -> Any:
         if key not in self._KEYS:

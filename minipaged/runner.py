@@ -8,7 +8,7 @@ samples (the sampler).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class StepInputs:
     order: list[ScheduledSeq]  # the scheduled sequences in packed order (decodes first)
     sample_rows: list[int]  # row of the last new token of every sequence that samples, in order
     samplers: list[ScheduledSeq]  # those sequences, in the same order as sample_rows
+    # speculative decoding: draft tokens each sampler verifies (0 when it does not); a verifying
+    # sequence's sample_rows entry is the row of its last real token, and its drafts' rows follow
+    num_drafts: list[int] = field(default_factory=list)
 
 
 def pad_block_tables(tables: list[list[int]], pad: int = 0, width: int | None = None) -> torch.Tensor:
@@ -54,9 +57,13 @@ class ModelRunner:
         query_start_loc = [0]
         sample_rows: list[int] = []
         samplers: list[ScheduledSeq] = []
+        num_drafts: list[int] = []
         for s in order:
             seq, a, n = s.seq, s.start, s.num_new_tokens
             tokens = seq.token_ids
+            d = max(0, a + n - len(tokens))  # draft tokens to verify, after the sequence's own
+            if d:
+                tokens = tokens + list(seq.spec_token_ids[:d])
             if a + n > len(tokens):
                 raise ValueError(
                     f"the scheduler asked for positions {a}..{a + n - 1} of sequence {seq.seq_id!r}, "
@@ -68,8 +75,9 @@ class ModelRunner:
             context_lens.append(a + n)
             query_start_loc.append(query_start_loc[-1] + n)
             if s.samples:
-                sample_rows.append(query_start_loc[-1] - 1)
+                sample_rows.append(query_start_loc[-1] - 1 - d)
                 samplers.append(s)
+                num_drafts.append(d)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(device=dev, dtype=torch.int64),
@@ -80,7 +88,7 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return StepInputs(ids, pos, meta, order, sample_rows, samplers)
+        return StepInputs(ids, pos, meta, order, sample_rows, samplers, num_drafts)
 
 
 __all__ = ["ModelRunner", "StepInputs", "pad_block_tables"]

@@ -19,6 +19,7 @@ from .data import FinishReason, ScheduledSeq, SchedulerOutput, Sequence, Sequenc
 from .detokenizer import StopChecker
 from .parts import cdiv, check_scheduler, fork_table  # noqa: F401 (check_scheduler: kept importable from here)
 from .prefix_cache import PrefixStats, cache_computed_blocks, copy_on_write, num_cow_blocks
+from .spec_decode import rollback
 
 
 class Scheduler:
@@ -43,7 +44,7 @@ class Scheduler:
     """
 
     # Non-default settings this class's schedule() handles (see interfaces.py).
-    supports = frozenset({"chunked_prefill_off", "prefix_caching", "parallel_sampling"})
+    supports = frozenset({"chunked_prefill_off", "prefix_caching", "parallel_sampling", "speculative_decoding"})
 
     def __init__(
         self, allocator: Any, block_table_cls: type | None = None, config: EngineConfig | None = None, **settings: Any
@@ -147,10 +148,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # speculative decoding: the same rule, with the drafts counted after the sequence's tokens
+            drafts = seq.spec_token_ids
+            n = min(seq.num_tokens + len(drafts) - seq.num_computed_tokens, budget)
             table = seq.block_table
             start = seq.num_computed_tokens
             while table.blocks_needed(n) + num_cow_blocks(table, start, start + n) > self.allocator.num_free_blocks:
+                if drafts:  # memory is short: give up the drafts before preempting anyone
+                    drafts.clear()
+                    n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -158,6 +165,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: everyone after it is gone too
+            del drafts[max(0, start + n - seq.num_tokens):]  # the drafts the budget left room for
             out.blocks_to_copy.extend(copy_on_write(table, start, start + n))
             table.append_tokens(n)
             out.scheduled.append(ScheduledSeq.of(seq, n))
@@ -209,14 +217,27 @@ class Scheduler:
         ``sampled`` maps seq_id -> token id for every scheduled sequence whose ``samples`` is
         True. The sequence's stop checker decides whether it is done. Returns the sequences that
         finished in this step (their blocks are already free), also kept in ``out.finished``.
+
+        Speculative decoding: for a sequence that verified drafts, ``sampled`` holds the accepted
+        run (a list: the kept drafts, then the target's token). The K/V of the rejected drafts is
+        rolled back (the block table truncates, blocks left empty go back to the pool,
+        ``num_computed_tokens`` follows), only verified full blocks are cached, and the run's
+        tokens go to the stop checker one by one (a stop inside the run ends the request there).
         """
         for s in out.scheduled:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             seq.num_computed_tokens += s.num_new_tokens
+            run = sampled.get(seq.seq_id) if s.samples else None
+            run = list(run) if isinstance(run, (list, tuple)) else None
+            if run is not None or seq.num_computed_tokens > seq.num_tokens:
+                # K/V stays for the sequence's tokens and the kept drafts (all but the run's last token)
+                rollback(seq, seq.num_tokens + (len(run) - 1 if run else 0))
             if self.prefix_caching:
-                cache_computed_blocks(self.allocator, seq.token_ids, seq.block_table.blocks, s.start, seq.num_computed_tokens)
+                cache_computed_blocks(self.allocator, seq.token_ids + (run[:-1] if run else []), seq.block_table.blocks,
+                                      s.start, seq.num_computed_tokens)
+            seq.spec_token_ids = []
             if not s.samples:
                 continue
             if seq.seq_id not in sampled:
@@ -224,7 +245,10 @@ class Scheduler:
             self._give_stop_checker(seq)
             if seq.forks:
                 self._fork(seq, sampled, out)
-            seq.append_token(sampled[seq.seq_id])
+            for token in run if run is not None else [sampled[seq.seq_id]]:
+                seq.append_token(token)
+                if seq.finish_reason is not None:
+                    break
             if seq.finish_reason is not None:
                 self.finish(seq, seq.finish_reason)
                 out.finished.append(seq)
@@ -261,6 +285,7 @@ class Scheduler:
         seq.block_table.free()
         seq.block_table = None
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

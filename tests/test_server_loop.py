@@ -357,7 +357,8 @@ def _sample_value(tp):
         v = {int: (3, 4), str: ("a", "b"), float: (0.5, 1.5)}[item]
         v = v if typing.get_origin(inner) is tuple else list(v)
         return v, ",".join(map(str, v))
-    return {int: (7, "7"), float: (0.25, "0.25"), str: ("x", "x")}[inner]
+    return {int: (7, "7"), float: (0.25, "0.25"), str: ("x", "x"),
+            dict: ({"method": "ngram", "num_speculative_tokens": 2}, '{"method": "ngram", "num_speculative_tokens": 2}')}[inner]
 
 
 def _check_every_field(parser_argv, skip, kwargs_of):
@@ -437,7 +438,7 @@ def test_a_new_engine_config_field_is_a_flag_by_itself(monkeypatch):
 
     @dataclasses.dataclass(frozen=True)
     class Untyped(config.EngineConfig):
-        table: dict = dataclasses.field(default_factory=dict)
+        table: set = dataclasses.field(default_factory=set)  # (a dict is a JSON object: --speculative-config '{...}')
 
     monkeypatch.setattr(config, "EngineConfig", Untyped)
     with pytest.raises(TypeError, match="table"):  # loud when the parser is built, never an untyped flag

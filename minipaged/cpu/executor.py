@@ -61,7 +61,7 @@ class Plan:
     def __str__(self) -> str:
         w = max(len(s) for s in STAGES)
         lines = [f"{'stage'.ljust(w)}  route", f"{'-' * w}  {'-' * 40}"]
-        lines += [f"{s.ljust(w)}  {self.routes[s]}" for s in STAGES]
+        lines += [f"{s.ljust(w)}  {self.routes[s]}" for s in [*STAGES, *(r for r in self.routes if r not in STAGES)]]
         if self.refused:
             lines += ["", "refused:"] + [f"  {k}: {v}" for k, v in self.refused.items()]
         return "\n".join(lines)
@@ -315,6 +315,10 @@ def build_plan(config: Any, model: nn.Module, device: torch.device, attention: A
         head = _decide("greedy_from_head", config.greedy_from_head, why, refused)
     routes["next_token"] = ("head-argmax for greedy batches of 9+ rows (c), sampler otherwise" if head
                             else "sampler over the logits")
+    if getattr(config, "speculative_config", None) is not None:
+        # a verifying step has several new tokens per sequence: not a pure decode, so never the whole-step call
+        routes["speculative"] = (f"ngram drafts verified k+1 tokens a sequence on the {'layers' if walk else 'model'} route "
+                                 "(a prefill-shaped step); steps with no drafts as above")
     plan = Plan(types.MappingProxyType(routes), types.MappingProxyType(refused), backend.name)
     return plan, {"backend": backend, "walk": walk, "elementwise": elementwise, "blocks": blocks, "packs": packs,
                   "whole": whole, "head": head, "pack_rows": config.max_num_seqs}
