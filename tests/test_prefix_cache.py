@@ -374,12 +374,14 @@ class _RefCache(PrefixCache):
     num_cached_blocks = property(lambda self: PrefixCache.num_cached_blocks.fget(self))
 
 
-def test_reference_passes_workbook_08_checks(capsys):
+def test_workbook_08_checks_refuse_the_reference_in_the_learners_place(capsys):
+    """Handing in minipaged's own prefix cache (even wrapped in a subclass) is delegation, not an
+    answer: every check refuses it (the solved workbook passes: tests/test_grading.py)."""
     from minipaged.checks import CheckFailed
     from minipaged.checks import prefix_cache as pc
 
-    pc.check(_RefCache, lambda table, start, end: copy_on_write(table, start, end))
-    assert capsys.readouterr().out.count("\u2714") == 3
+    with pytest.raises(CheckFailed, match="minipaged's own"):
+        pc.check(_RefCache, lambda table, start, end: copy_on_write(table, start, end))
     with pytest.raises(CheckFailed, match="minipaged's own"):
         pc.check_copy_on_write(copy_on_write)
     with pytest.raises(CheckFailed, match="minipaged's own"):
