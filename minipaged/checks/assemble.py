@@ -295,7 +295,7 @@ def _check_plugged(llm, parts: LearnerParts) -> None:
 
     backend = getattr(eng, "backend", None)
     fn = getattr(backend, "paged_attention", None)
-    if fn is ref_attention or getattr(backend, "name", None) in ("torch", "triton"):
+    if fn is ref_attention or getattr(backend, "name", None) in ("torch", "triton", "cpu", "reference"):
         wrong.append(f"attention=parts.attention (the engine uses minipaged's own {getattr(backend, 'name', '')} attention)")
     config = getattr(eng, "config", None)
 
