@@ -26,7 +26,6 @@ import os
 import threading
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
@@ -983,14 +982,12 @@ class _Mailbox:
                 box.append(o)
 
 
-_mailboxes: "weakref.WeakKeyDictionary[LLMEngine, _Mailbox]" = weakref.WeakKeyDictionary()
-
-
 def _mailbox(engine: "LLMEngine") -> _Mailbox:
-    """The engine's mailbox (one per engine, however many LLM objects or calls use it)."""
-    box = _mailboxes.get(engine)
+    """The engine's mailbox (one per engine, however many LLM objects or calls use it). It lives on
+    the engine, so it goes with it: no module-level registry keeps an engine alive."""
+    box = engine.__dict__.get("_mailbox")
     if box is None:
-        box = _mailboxes[engine] = _Mailbox(engine)
+        box = engine.__dict__["_mailbox"] = _Mailbox(engine)
     return box
 
 

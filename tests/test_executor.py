@@ -291,3 +291,22 @@ def test_serving_replaces_no_module_level_state(tiny_model):
     changed = {(m, k) for m in before for k in before[m] if after.get(m, {}).get(k) != before[m][k]}
     added = {(m, k) for m in before for k in after.get(m, {}) if k not in before[m]}
     assert not changed and not added, (changed, added)
+
+
+def test_a_finished_engine_is_freed_after_generate_and_stream(tiny_model):
+    """Nothing module-level keeps an engine (its KV cache, its executor's copies) alive."""
+    import gc
+    import weakref
+
+    from minipaged import LLM
+
+    model, tok = tiny_model
+    refs = []
+    for _ in range(2):
+        llm = LLM(model, tok, num_blocks=16)
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+        list(llm.stream([5, 6, 7], SamplingParams(max_tokens=3)))
+        refs.append(weakref.ref(llm.engine))
+        del llm
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
