@@ -231,12 +231,7 @@ class LLMEngine:
         self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, kv_heads, mcfg.head_dim, self.dtype, self.device)
         # the one decision about speed: which implementation runs each stage (engine.plan), made
         # here, once, from the config; the executor owns every copy a fast path needs
-        if config.tensor_parallel_size > 1:  # one scheduler here, the model's shards in N processes
-            from .distributed import TensorParallelExecutor
-
-            self.executor = TensorParallelExecutor(config, self.model, self.device, parts.attention, self.kv_cache)
-        else:
-            self.executor = make_executor(config, self.model, self.device, parts.attention, self.kv_cache)
+        self.executor = self._build_executor()
         self.runner = ModelRunner(self.device)
         self.sampler = Sampler()
         # speculative decoding: n-gram drafts, verified in the step's one forward pass (None: off)
@@ -284,10 +279,16 @@ class LLMEngine:
         the requests stay; cached prefixes computed with the old weights are not reused wrongly
         only if you also reset the prefix cache."""
         with self._guard:
-            if self.config.tensor_parallel_size > 1:
-                raise NotImplementedError("with tensor_parallel_size > 1, build a new engine after changing the weights")
-            self.executor = make_executor(self.config, self.model, self.device, self.parts.attention, self.kv_cache)
+            self.shutdown()  # tensor-parallel workers hold the old shards: they are replaced too
+            self.executor = self._build_executor()
             return self.executor.plan
+
+    def _build_executor(self):
+        if self.config.tensor_parallel_size > 1:  # one scheduler here, the model's shards in N processes
+            from .distributed import TensorParallelExecutor
+
+            return TensorParallelExecutor(self.config, self.model, self.device, self.parts.attention, self.kv_cache)
+        return make_executor(self.config, self.model, self.device, self.parts.attention, self.kv_cache)
 
     # -- sizes -----------------------------------------------------------------------------
     @property
