@@ -678,9 +678,8 @@ def run(args: argparse.Namespace) -> int:
           + ("in bwrap sandboxes" if use_bwrap else "without a sandbox") + f" ({sandbox.resource_summary(limits)})",
           file=sys.stderr)
     if use_bwrap and hasattr(os, "geteuid") and os.geteuid() == 0 and not sandbox.drops_root(True):
-        print("warning: learner code runs as root inside the sandbox: setpriv is missing, or user "
-              f"{sandbox.LEARNER_UID} cannot reach the interpreter ({sys.executable}) or the package; install Python "
-              "where every user can read it to run learners unprivileged", file=sys.stderr)
+        print(f"warning: learner code runs as root inside the sandbox ({sandbox.why_root()}); install setpriv "
+              "(util-linux) and a Python that every user can read to run learners unprivileged", file=sys.stderr)
     package_digest = tree_digest(_PACKAGE)
     stop = threading.Event()
 

@@ -70,9 +70,9 @@ def bwrap_path() -> str | None:
     return exe if ok else None
 
 
-def _user_tasks() -> int:
-    """Processes and threads this user runs now (RLIMIT_NPROC counts them all)."""
-    uid, n = os.getuid(), 0
+def _user_tasks(uid: int | None = None) -> int:
+    """Processes and threads ``uid`` (default: this user) runs now (RLIMIT_NPROC counts them all)."""
+    uid, n = (os.getuid() if uid is None else uid), 0
     for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if d.isdigit():
             try:
@@ -106,28 +106,122 @@ def _needed_paths() -> list[str]:
 LEARNER_UID = LEARNER_GID = 65534  # "nobody": who learner code runs as inside bwrap when the grader is root
 
 
-@functools.lru_cache(maxsize=1)
-def _setpriv() -> str | None:
-    """setpriv (util-linux), to start bwrap as LEARNER_UID when the grader runs as root, if it works here."""
-    import shutil
+def _hidden_ancestors(paths: list[str]) -> list[str]:
+    """The highest folder above each of ``paths`` that LEARNER_UID cannot pass through (no o+x, e.g. a 0700 /root
+    holding the interpreter): inside bwrap each becomes an empty tmpfs that every user can pass through, and the
+    paths under it are bound back at their own paths (the rest of it stays out of sight)."""
+    import stat
 
-    exe = shutil.which("setpriv")
-    if exe is None or bwrap_path() is None:
-        return None
-    try:
-        # the unprivileged user must reach the interpreter and the package (a venv under a 0700 /root cannot be)
-        r = subprocess.run([exe, "--reuid", str(LEARNER_UID), "--regid", str(LEARNER_GID), "--clear-groups",
-                            bwrap_path(), "--ro-bind", "/", "/", "--unshare-all", "--", sys.executable, "-I", "-c",
-                            f"import os; os.listdir({_PACKAGE_PARENT!r}); open({_HARNESS!r}).read()"],
-                           capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return exe if r.returncode == 0 else None
+    out: set[str] = set()
+    for p in paths:
+        parts = Path(p).parts
+        for i in range(2, len(parts)):  # the proper ancestors below /
+            a = str(Path(*parts[:i]))
+            try:
+                st = os.stat(a)
+            except OSError:
+                break
+            if not st.st_mode & stat.S_IXOTH and st.st_uid != LEARNER_UID:
+                out.add(a)
+                break
+    return sorted(a for a in out if not any(a.startswith(b + "/") for b in out))
+
+
+def _bwrap_args(workdir: Path, hide: list[str], env: dict, limits: Limits, drop: bool) -> list[str]:
+    """bwrap's options for one run, up to and excluding the ``--`` before the command.
+
+    ``drop``: the grader is root and learner code must not be: bwrap then runs as root with no user namespace (a
+    user namespace made by root maps root only) and ``setpriv`` inside switches to LEARNER_UID before Python starts,
+    so learner code holds no capability and the kernel checks it as LEARNER_UID against the host's files."""
+    exe = bwrap_path()
+    assert exe is not None
+    # all the run writes is in two tmpfs, /tmp and /dev/shm, that share disk_bytes (3/4 and 1/4)
+    shm = max(limits.disk_bytes // 4, 2**20)
+    sticky = ["--perms", "1777"] if drop else []  # bwrap makes its tmpfs 0755 root: LEARNER_UID must write there
+    b = [exe, "--ro-bind", "/", "/", "--dev", "/dev", *sticky, "--size", str(shm), "--tmpfs", "/dev/shm",
+         "--proc", "/proc", *sticky, "--size", str(max(limits.disk_bytes - shm, 2**20)), "--tmpfs", "/tmp"]
+    for h in hide:  # the class folder and the grader's output: not even readable
+        if os.path.isdir(h) and not h.startswith("/tmp/"):
+            b += ["--tmpfs", h]
+    needed = _needed_paths()
+    covered = _hidden_ancestors(needed) if drop else []
+    for c in covered:
+        b += ["--perms", "0755", "--tmpfs", c]
+    shadowed = [h.rstrip("/") for h in hide] + covered
+    made: set[str] = set()
+    for p in needed:  # under /tmp, a hidden or covered folder, the package must still be there, read-only
+        if p.startswith("/tmp/") or any((p + "/").startswith(h + "/") for h in shadowed):
+            if drop:  # the folders above it in the tmpfs, which bwrap would make 0700: every user must pass
+                for a in map(str, reversed(Path(p).parents)):
+                    if a not in made and any(a.startswith(r + "/") for r in ["/tmp", *shadowed]):
+                        made.add(a)
+                        b += ["--perms", "0755", "--dir", a]
+            b += ["--ro-bind", p, p]
+    for dev in sorted(Path("/dev").glob("nvidia*")):  # a GPU, for workbook 05 on a GPU machine
+        b += ["--dev-bind", str(dev), str(dev)]
+    # the host's copy is read-only inside: what the run writes stays in its tmpfs, never on the host's disk
+    b += ["--ro-bind", str(workdir), SUBMITTED_DIR]
+    if drop:
+        b += ["--perms", "0777", "--dir", SANDBOX_DIR, "--chdir", SANDBOX_DIR,
+              "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+              "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
+              "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP", "--clearenv"]
+    else:
+        b += ["--dir", SANDBOX_DIR, "--chdir", SANDBOX_DIR,
+              "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
+    for k, v in env.items():
+        b += ["--setenv", k, v]
+    return b
+
+
+def _setpriv_args() -> list[str]:
+    """Inside bwrap, as root with CAP_SETUID, CAP_SETGID and CAP_SETPCAP only: become LEARNER_UID and keep no
+    capability at all, none in the bounding set either (and no_new_privs: no setuid program gives any back)."""
+    return [shutil.which("setpriv") or "setpriv", "--reuid", str(LEARNER_UID), "--regid", str(LEARNER_GID),
+            "--clear-groups", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+
+
+@functools.lru_cache(maxsize=1)
+def _drop_probe() -> str:
+    """Empty when a root grader can run learner code as LEARNER_UID here, else why not: bwrap as root with the run's
+    own mounts, setpriv to LEARNER_UID, then the interpreter must start and read the package and the harness."""
+    import tempfile
+
+    if shutil.which("setpriv") is None:
+        return "setpriv (util-linux) is not installed"
+    if bwrap_path() is None:
+        return "bwrap cannot make a sandbox here"
+    probe = ("import os, sys, importlib.util as u; open(sys.argv[1]).read(); "
+             "[open(u.find_spec(m).origin).read() for m in ('minipaged', 'torch', 'numpy')]; "
+             "assert (os.getuid(), os.geteuid(), os.getgid()) == (%d, %d, %d), os.getuid(); "
+             "assert os.getgroups() == [], os.getgroups(); "
+             "eff = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]; "
+             "assert int(eff, 16) == 0, eff; "
+             "bnd = [l for l in open('/proc/self/status') if l.startswith('CapBnd')][0].split()[1]; "
+             "assert int(bnd, 16) == 0, bnd" % (LEARNER_UID, LEARNER_UID, LEARNER_GID))
+    with tempfile.TemporaryDirectory(prefix="minipaged-probe-") as d:
+        os.chown(d, LEARNER_UID, LEARNER_GID)
+        env = environment(SANDBOX_DIR, use_bwrap=True)
+        cmd = (_bwrap_args(Path(d), [], env, Limits(), True) + ["--"] + _setpriv_args()
+               + [sys.executable, "-s", "-B", "-c", probe, _HARNESS])
+        try:
+            r = subprocess.run(cmd, capture_output=True, timeout=120, env=env)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"the probe did not finish ({e})"
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).decode("utf-8", "replace").strip().splitlines()[-1:]
+        return f"user {LEARNER_UID} could not start the interpreter ({sys.executable}) there: " + "".join(tail)
+    return ""
 
 
 def drops_root(use_bwrap: bool) -> bool:
     """True when this run's learner code runs as LEARNER_UID, not as the grader's root."""
-    return use_bwrap and hasattr(os, "geteuid") and os.geteuid() == 0 and _setpriv() is not None
+    return use_bwrap and hasattr(os, "geteuid") and os.geteuid() == 0 and not _drop_probe()
+
+
+def why_root() -> str:
+    """Why a root grader's learner code would still run as root inside bwrap (empty when it does not)."""
+    return _drop_probe() if hasattr(os, "geteuid") and os.geteuid() == 0 else ""
 
 
 def command(workdir: Path, *, use_bwrap: bool, hide: list[str], env: dict, limits: Limits, procs: int) -> list[str]:
@@ -136,30 +230,10 @@ def command(workdir: Path, *, use_bwrap: bool, hide: list[str], env: dict, limit
     python = [sys.executable, "-s", "-B", _HARNESS]
     inner = python
     if use_bwrap:
-        exe = bwrap_path()
-        assert exe is not None
-        # all the run writes is in two tmpfs, /tmp and /dev/shm, that share disk_bytes (3/4 and 1/4)
-        shm = max(limits.disk_bytes // 4, 2**20)
-        b = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--size", str(shm), "--tmpfs", "/dev/shm", "--proc", "/proc",
-             "--size", str(max(limits.disk_bytes - shm, 2**20)), "--tmpfs", "/tmp"]
-        for h in hide:  # the class folder and the grader's output: not even readable
-            if os.path.isdir(h) and not h.startswith("/tmp/"):
-                b += ["--tmpfs", h]
-        for p in _needed_paths():  # under /tmp or a hidden folder, the package must still be there, read-only
-            if p.startswith("/tmp/") or any((p + "/").startswith(h.rstrip("/") + "/") for h in hide):
-                b += ["--ro-bind", p, p]
-        for dev in sorted(Path("/dev").glob("nvidia*")):  # a GPU, for workbook 05 on a GPU machine
-            b += ["--dev-bind", str(dev), str(dev)]
-        # the host's copy is read-only inside: what the run writes stays in its tmpfs, never on the host's disk
-        b += ["--ro-bind", str(workdir), SUBMITTED_DIR, "--dir", SANDBOX_DIR, "--chdir", SANDBOX_DIR,
-              "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
-        for k, v in env.items():
-            b += ["--setenv", k, v]
-        inner = b + ["--"] + python
-        if drops_root(use_bwrap):
-            # never root inside: bwrap itself starts as an unprivileged user (root's files, /etc/shadow included,
-            # are then out of reach), in a user namespace of its own
-            inner = [_setpriv(), "--reuid", str(LEARNER_UID), "--regid", str(LEARNER_GID), "--clear-groups"] + inner
+        drop = drops_root(use_bwrap)
+        # never root inside: when the grader is root, setpriv makes learner code LEARNER_UID with no capability
+        # (root's files, /etc/shadow included, are then out of reach)
+        inner = _bwrap_args(workdir, hide, env, limits, drop) + ["--"] + (_setpriv_args() if drop else []) + python
     return [sys.executable, "-I", "-c", _LAUNCHER, str(limits.memory_bytes), str(cpu), str(limits.file_bytes),
             str(procs), "0", *inner]
 
@@ -216,13 +290,13 @@ def run(job: bytes, workdir: Path, *, use_bwrap: bool, limits: Limits, hide: lis
     rfd, wfd = os.pipe()
     os.set_inheritable(wfd, True)
     job = job.replace(b'"result_fd": -1', b'"result_fd": %d' % wfd)
-    base = procs_base if procs_base is not None else _user_tasks()
+    drop = drops_root(use_bwrap)
+    base = procs_base if procs_base is not None else _user_tasks(LEARNER_UID if drop else None)
     inner_dir = SANDBOX_DIR if use_bwrap else str(workdir)
     env = environment(inner_dir, use_bwrap=use_bwrap)
     staged = None
-    if drops_root(use_bwrap):
-        # the learner's copy, where the unprivileged user bwrap runs as can read it (workdir's parents may be 0700)
-        import shutil
+    if drop:
+        # the learner's copy, owned by LEARNER_UID so that the harness can read it inside (workdir may be 0700)
         import tempfile
 
         staged = Path(tempfile.mkdtemp(prefix="minipaged-learner-"))
@@ -280,8 +354,6 @@ def run(job: bytes, workdir: Path, *, use_bwrap: bool, limits: Limits, hide: lis
         _kill_group(proc, 0)
     _RUNS_NOW.discard(proc.pid)
     if staged is not None:
-        import shutil
-
         shutil.rmtree(staged, ignore_errors=True)
     wall = time.monotonic() - t0
     data = b"".join(lines_raw)

@@ -1,5 +1,6 @@
-"""The bwrap run's stated limits that need no class folder: learner code is never root inside, and the memory
-cap covers the run's whole process tree (RLIMIT_AS alone is per process). Each runs a tiny harness job."""
+"""The bwrap run's stated limits that need no class folder: learner code is never root inside (no capability, no
+read of root's files, no write outside its copy, even with the interpreter under a 0700 /root), and the memory cap
+covers the run's whole process tree (RLIMIT_AS alone is per process). Each runs a tiny harness job."""
 from __future__ import annotations
 
 import json
@@ -37,17 +38,58 @@ def _run(tmp_path: Path, code: str, use_bwrap: bool, **limits) -> sandbox.Outcom
 @pytest.mark.skipif(not HAVE_BWRAP, reason="bwrap is not installed or cannot create namespaces here")
 @pytest.mark.skipif(os.geteuid() != 0, reason="the grader is not root here: nothing to drop")
 def test_learner_code_is_not_root_inside_bwrap(tmp_path: Path) -> None:
-    if not sandbox.drops_root(True):
-        pytest.skip("setpriv is missing, or the unprivileged user cannot reach the interpreter or the package here "
-                    "(e.g. a Python under a 0700 /root): the grader then warns that learner code runs as root")
-    code = ("import os\nprint('UID', os.getuid(), os.geteuid(), flush=True)\n"
-            "try:\n    open('/etc/shadow').read()\n    print('SHADOW READ', flush=True)\n"
-            "except OSError as e:\n    print('SHADOW REFUSED', e.errno, flush=True)\n"
-            "open('mine.txt', 'w').write('the learner copy is writable')\nprint('WROTE', flush=True)\n")
+    # a root grader whose interpreter lies under a 0700 /root (pyenv, a venv in root's home) must still drop root:
+    # the sandbox covers such a folder with an empty tmpfs and binds the interpreter back at its own path
+    assert sandbox.drops_root(True), sandbox.why_root()
+    import tempfile
+
+    # outside /tmp (a tmpfs of its own inside): a file of root's, 0600, and a folder every user may write to
+    host = Path(tempfile.mkdtemp(prefix="minipaged-hostile-", dir="/var/tmp" if os.path.isdir("/var/tmp") else str(ROOT)))
+    try:
+        _not_root(tmp_path, host)
+    finally:
+        import shutil
+
+        shutil.rmtree(host, ignore_errors=True)
+
+
+def _not_root(tmp_path: Path, host: Path) -> None:
+    secret = host / "root_only.txt"
+    secret.write_text("root's own")
+    secret.chmod(0o600)
+    host.chmod(0o777)
+    code = ("import os\nprint('UID', os.getuid(), os.geteuid(), os.getgid(), os.getgroups(), flush=True)\n"
+            "st = {l.split(':')[0]: l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')}\n"
+            "print('CAPS', int(st['CapEff'], 16), int(st['CapPrm'], 16), int(st['CapBnd'], 16), flush=True)\n"
+            "for path in ('/etc/shadow', %r):\n"
+            "    try:\n        open(path).read()\n        print('READ', path, flush=True)\n"
+            "    except OSError as e:\n        print('REFUSED', e.errno, flush=True)\n"
+            "for path in (%r, %r, '/etc/minipaged-was-here', '/tmp/.submitted/x'):\n"
+            "    try:\n        open(path, 'w').write('x')\n        print('WROTE OUTSIDE', path, flush=True)\n"
+            "    except OSError as e:\n        print('WRITE REFUSED', e.errno, flush=True)\n"
+            "try:\n    os.setuid(0)\n    print('BECAME ROOT', flush=True)\nexcept OSError:\n    print('STAYED', flush=True)\n"
+            "print('ROOT HOLDS', sorted(os.listdir('/root')), flush=True)\n"
+            "open('mine.txt', 'w').write('the learner copy is writable')\nprint('WROTE', flush=True)\n"
+            % (str(secret), str(host / "planted.txt"), str(ROOT / "planted.txt")))
     out = _run(tmp_path, code, True)
-    assert f"UID {sandbox.LEARNER_UID} {sandbox.LEARNER_UID}" in out.output, out.output
-    assert "SHADOW REFUSED" in out.output and "SHADOW READ" not in out.output, out.output
+    L = sandbox.LEARNER_UID
+    assert f"UID {L} {L} {sandbox.LEARNER_GID} []" in out.output, out.output
+    assert "CAPS 0 0 0" in out.output, out.output
+    assert out.output.count("REFUSED 13") == 2 and "READ " not in out.output, out.output  # EACCES for both
+    assert out.output.count("WRITE REFUSED") == 4 and "WROTE OUTSIDE" not in out.output, out.output
+    assert not (host / "planted.txt").exists() and not (ROOT / "planted.txt").exists()
+    assert "STAYED" in out.output and "BECAME ROOT" not in out.output, out.output
+    # a covered /root shows only the way to what the run needs (the interpreter), nothing else of root's home
+    import ast
+
+    holds = ast.literal_eval(out.output.split("ROOT HOLDS", 1)[1].splitlines()[0].strip())
+    assert set(holds) <= {p.split("/")[2] for p in sandbox._needed_paths() if p.startswith("/root/")}, holds
     assert "WROTE" in out.output, out.output
+
+
+def test_without_bwrap_the_run_still_works(tmp_path: Path) -> None:
+    out = _run(tmp_path, "open('mine.txt', 'w').write('x')\nprint('WROTE', flush=True)\n", False)
+    assert "WROTE" in out.output and (tmp_path / "work" / "mine.txt").read_text() == "x", out.output
 
 
 @pytest.mark.skipif(not HAVE_BWRAP, reason="bwrap is not installed or cannot create namespaces here")
