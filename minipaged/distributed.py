@@ -22,8 +22,13 @@ Each rank runs the plain PyTorch model (model/llama.py) on its shard, with the a
 forward hooks on o_proj and down_proj. Processes: N - 1 workers started with the "spawn"
 method, joined over gloo on a CPU (NCCL on CUDA), given their weights by the driver (so a model
 built in memory works as well as a loaded one), stopped when the engine is shut down or
-collected. Greedy tokens equal ``tensor_parallel_size=1``'s except at near-ties, which the
-changed order of the sums can flip (tests/test_tensor_parallel.py).
+collected, or the interpreter exits. They are owned: each one watches its driver and exits the
+moment the driver is gone (killed, crashed), and ignores Ctrl-C, which is the driver's to handle;
+a Ctrl-C that interrupts the driver in the middle of a step (when the workers wait in an
+all-reduce the driver will never reach) stops them at once instead of waiting for the collective
+timeout. A worker that dies before it starts (a script without ``if __name__ == "__main__":``,
+which "spawn" re-imports) is a clear error at once. Greedy tokens equal ``tensor_parallel_size=1``'s
+except at near-ties, which the changed order of the sums can flip (tests/test_tensor_parallel.py).
 """
 from __future__ import annotations
 
@@ -163,10 +168,36 @@ def _forward(model: nn.Module, kv_cache: KVCache, backend: Any, msg: dict) -> to
     return model(msg["input_ids"], msg["positions"], kv_cache, meta, backend)
 
 
-def _worker(rank: int, size: int, init: str, cfg: Any, num_blocks: int, block_size: int, dtype: torch.dtype,
-            attention: str, backend_name: str) -> None:
-    import datetime
+def _watch_driver() -> None:
+    """Exit this worker the moment its driver process is gone, however it went (SIGKILL, a crash):
+    a daemon thread waits on the pipe that "spawn" keeps open to the parent, which the kernel
+    closes when the parent dies. No polling, and it works while the main thread is blocked in a
+    collective (those release the GIL)."""
+    import multiprocessing
+    import threading
+    from multiprocessing.connection import wait
 
+    parent = multiprocessing.parent_process()
+    if parent is None or getattr(parent, "sentinel", None) is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(0)  # no cleanup to do: the driver, which owned the work, is gone
+
+    threading.Thread(target=watch, name="minipaged-tp-watch-driver", daemon=True).start()
+
+
+def _worker(rank: int, size: int, init: str, cfg: Any, num_blocks: int, block_size: int, dtype: torch.dtype,
+            attention: str, backend_name: str, ready: Any = None) -> None:
+    import datetime
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches every process: the driver decides
+    _watch_driver()
+    if ready is not None:  # started (the main module re-imported without starting an engine of its own)
+        ready.send(rank)
+        ready.close()
     torch.set_num_threads(1)
     dist.init_process_group(backend_name, init_method=init, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -189,24 +220,68 @@ def _worker(rank: int, size: int, init: str, cfg: Any, num_blocks: int, block_si
         dist.destroy_process_group()
 
 
+def _wait_started(procs: list, readers: list, timeout: float) -> None:
+    """Wait until every worker has said it started; a RuntimeError naming the worker if one died
+    first (then every worker is stopped)."""
+    import time
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + timeout
+    for rank, (proc, reader) in enumerate(zip(procs, readers), start=1):
+        left = deadline - time.monotonic()
+        got = wait([reader, proc.sentinel], timeout=max(0.0, left))
+        started = reader in got
+        if started:
+            try:
+                reader.recv()
+            except EOFError:  # the worker closed its end by dying
+                started = False
+        if not started:
+            proc.join(timeout=1)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=5)
+            if proc.exitcode is None:
+                why = f"did not start within {timeout:.0f} s"
+            else:
+                why = f"exited with code {proc.exitcode} before it started"
+            raise RuntimeError(
+                f"tensor-parallel worker rank {rank} (pid {proc.pid}) {why}. Workers are started with the "
+                f"'spawn' method, which re-imports your main script in each worker: a script that builds an "
+                f"engine with tensor_parallel_size > 1 must do it under `if __name__ == \"__main__\":` "
+                f"(its traceback, printed above, says more)")
+        reader.close()
+
+
 class _Group:
-    """The driver's side of the process group; ``close`` stops every worker (idempotent)."""
+    """The driver's side of the process group; ``close`` stops every worker (idempotent).
+
+    ``in_step`` is True while a step's collectives are under way: a close then (an exception or a
+    Ctrl-C in the middle of a step, when the workers wait in an all-reduce the driver will never
+    reach) cannot say goodbye through the group, so it stops the workers by signal at once."""
 
     def __init__(self, procs: list, init_file: str) -> None:
-        self.procs, self.init_file, self.open = procs, init_file, True
+        self.procs, self.init_file, self.open, self.in_step = procs, init_file, True, False
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         if not self.open:
             return
         self.open = False
-        try:
-            dist.broadcast_object_list([None], src=0)
-        except Exception:
-            pass
+        abort = abort or self.in_step or not all(p.is_alive() for p in self.procs)
+        if not abort:
+            try:
+                dist.broadcast_object_list([None], src=0)  # every worker leaves its loop
+            except Exception:
+                abort = True
         for p in self.procs:
-            p.join(timeout=10)
+            if abort and p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=2 if abort else 10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
         try:
             dist.destroy_process_group()
         except Exception:
@@ -246,11 +321,14 @@ class TensorParallelExecutor:
         init = f"file://{init_file}"
         ctx = torch.multiprocessing.get_context("spawn")
         p = next(model.parameters())
-        procs = [ctx.Process(target=_worker, daemon=True,
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]
+        procs = [ctx.Process(target=_worker, daemon=True, name=f"minipaged-tp-rank{r}",
                              args=(r, size, init, shard_config(cfg, shards[r]), kv_cache.num_blocks, kv_cache.block_size,
-                                   p.dtype, attention, backend_name)) for r in range(1, size)]
-        for proc in procs:
+                                   p.dtype, attention, backend_name, pipes[r - 1][1])) for r in range(1, size)]
+        for proc, (_, writer) in zip(procs, pipes):
             proc.start()
+            writer.close()  # the worker holds the only writing end: its death reads as EOF here
+        _wait_started(procs, [reader for reader, _ in pipes], COLLECTIVE_TIMEOUT_S)
         import datetime
 
         dist.init_process_group(backend_name, init_method=init, rank=0, world_size=size,
@@ -302,15 +380,19 @@ class TensorParallelExecutor:
                "query_start_loc": meta.query_start_loc, "num_decodes": meta.num_decodes,
                "blocks_to_copy": self._pending_copies}
         self._pending_copies = []
-        dist.broadcast_object_list([msg], src=0)
-        self.last_route = "tensor_parallel"
+        self._group.in_step = True
         try:
-            return self.shard_model(input_ids, positions, self.kv_cache, meta, self.backend)
-        except Exception:
-            # the workers may be waiting in an all-reduce this rank will never reach: the group
-            # cannot go on in step, so it is stopped, and later steps say so
-            self._group.close()
+            dist.broadcast_object_list([msg], src=0)
+            self.last_route = "tensor_parallel"
+            hidden = self.shard_model(input_ids, positions, self.kv_cache, meta, self.backend)
+        except BaseException:
+            # an error or a Ctrl-C mid-step: the workers may be waiting in an all-reduce this rank
+            # will never reach, so the group cannot go on in step; it is stopped now (not after the
+            # collective timeout), and later steps say so
+            self._group.close(abort=True)
             raise
+        self._group.in_step = False
+        return hidden
 
     def greedy_tokens(self, hidden: torch.Tensor) -> None:
         return None

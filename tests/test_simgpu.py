@@ -348,3 +348,95 @@ def test_the_seed_scenario_reproduces_what_holds_and_says_why_the_rest_cannot():
     assert co["simulated_sharegpt"] > 1.5 * st["simulated_sharegpt"]  # paging pays with varied lengths
     assert rows["paged sequences, ShareGPT lengths"]["simulated"] > 23  # more than the reservations
     assert "unreachable" in format_seed_table(res)
+
+
+# -- the validation on this CPU (scripts/validate_simgpu_cpu.py): its logic on tiny inputs -------------
+def _exact_samples(machine, model, cal, steps):
+    from minipaged.bench.gpu.validate import Sample, cost_model
+
+    cost = cost_model(machine, model, cal)
+    return [Sample(s, cost.step_time(s)) for s in steps]
+
+
+def test_the_calibration_recovers_the_constants_that_made_the_steps():
+    from dataclasses import replace
+
+    from minipaged.bench.gpu.validate import (compare, cost_model, decode_step, fit_calibration, format_report,
+                                              machine_spec)
+
+    machine = machine_spec(10e9, 100e9)
+    model = replace(get_model("smollm2-135m"), dtype_bytes=4)
+    truth = Calibration(bandwidth_efficiency=1.0, compute_efficiency=0.6, step_overhead_s=0.004, seq_overhead_s=3e-4)
+    dec = _exact_samples(machine, model, truth, [decode_step(1, 80), decode_step(16, 80)])  # memory- and compute-bound
+    pre = _exact_samples(machine, model, truth, [((0, 256),), ((0, 512),)])
+    bare = cost_model(machine, model, truth)
+    assert [bare.cost(s.step).bound for s in dec] == ["memory", "compute"]  # both sides of the roofline
+    cal = fit_calibration(machine, model, dec, pre)
+    assert cal.compute_efficiency == pytest.approx(0.6, rel=1e-3)
+    assert cal.step_overhead_s == pytest.approx(0.004, rel=1e-3) and cal.seq_overhead_s == pytest.approx(3e-4, rel=1e-3)
+    val = _exact_samples(machine, model, truth, [decode_step(b, 80) for b in (2, 4, 32, 64)])
+    res = compare(machine, model, dec, pre, val)
+    assert res["within_target"] and res["worst_validation_error"] < 1e-3
+    assert [r["role"] for r in res["steps"]].count("validation") == 4
+    assert "worst validation error 0%: within the 25% target" in format_report(res)
+    # a measurement the model cannot explain is reported as the error it is, not fitted away
+    slow = [type(s)(s.step, 2 * s.seconds) for s in val]
+    res = compare(machine, model, dec, pre, slow)
+    assert not res["within_target"] and res["worst_validation_error"] == pytest.approx(0.5, rel=1e-3)
+
+
+def test_overheads_are_never_negative_and_one_batch_gives_one_constant():
+    from minipaged.bench.gpu.validate import _fit_overheads
+
+    assert _fit_overheads([(1, 0.01), (8, 0.005)]) == (pytest.approx(0.0075), 0.0)  # falling: no per-seq cost
+    a, b = _fit_overheads([(1, -0.01), (8, 0.02)])
+    assert a == 0.0 and b > 0
+    assert _fit_overheads([(4, 0.01), (4, 0.03)]) == (pytest.approx(0.02), 0.0)
+    assert _fit_overheads([]) == (0.0, 0.0)
+
+
+def test_the_validation_measures_the_engine_and_the_simulated_scheduler_takes_the_same_steps(tiny_model):
+    """The measuring half on the tiny model (its times are not asserted): the steps recorded are
+    the scheduler's, and minipaged's scheduler on the simulated clock schedules the same workload
+    in the same number of steps as the engine did."""
+    from minipaged.bench.gpu.validate import (EngineShape, compare, cost_model, machine_spec, measure_decode,
+                                              measure_prefill, measure_workload, model_spec_of, simulate_workload,
+                                              workload)
+    from minipaged.engine import LLMEngine
+
+    model, tok = tiny_model
+    spec = model_spec_of(model)
+    assert spec.shape_params() == sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    shape = EngineShape(block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
+    eng = LLMEngine(model, tok, fast_paths=False, record_trace=False, **shape.engine_kwargs())
+    d1, d4 = measure_decode(eng, 1, 6, 2), measure_decode(eng, 4, 6, 2)
+    assert len(d4.step) == 4 and all(n == 1 for _, n in d4.step) and d4.seconds > 0
+    pre = measure_prefill(eng, 24, repeats=1)
+    assert pre.step == ((0, 24),)
+    reqs = workload(10, (3, 40), (2, 9), seed=1)
+    measured, samples = measure_workload(eng, reqs)
+    assert sum(n for s in samples for _, n in s.step) == sum(p + o - 1 for p, o in reqs)  # every token computed once
+    assert measured["steps"] == len(samples) and measured["output_tokens"] == sum(o for _, o in reqs)
+    machine = machine_spec(5e9, 20e9)
+    res = compare(machine, spec, [d1, d4], [pre], [d4], reqs, measured, samples, shape)
+    w = res["workload"]
+    assert w["same_steps_as_engine"], (w["simulated"]["steps"], measured["steps"])
+    assert w["replayed"]["steps"] == measured["steps"] and w["simulated"]["tokens_per_s"] > 0
+    sim = simulate_workload(cost_model(machine, spec, NO_OVERHEAD), reqs, shape)  # the steps do not depend on the clock
+    assert sim["steps"] == measured["steps"] and sim["output_tokens"] == measured["output_tokens"]
+
+
+def test_the_validation_script_has_a_quick_mode_that_writes_only_where_told():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "validate_simgpu_cpu.py"
+    spec = importlib.util.spec_from_file_location("validate_simgpu_cpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.DEFAULT_JSON.name == "simgpu_cpu_validation.json" and mod.DEFAULT_JSON.parent.name == "figures"
+    assert set(mod.QUICK) == set(mod.FULL)
+    assert not set(mod.FULL["calibration_batches"]) & set(mod.FULL["validation_batches"])  # predicted, not fitted
+    assert not set(mod.QUICK["calibration_batches"]) & set(mod.QUICK["validation_batches"])
+    with pytest.raises(SystemExit):
+        mod.main(["--help"])

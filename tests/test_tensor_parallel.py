@@ -5,15 +5,24 @@
 - greedy tokens at N = 2 (KV heads split) and N = 4 (KV heads replicated) equal N = 1's, except at
   a near-tie the changed order of the sums can flip (then the plain model's top two logits there
   are within a hair of each other), with chunked prefill, preemption, prefix caching and n > 1;
-- each rank's KV cache holds only its heads; the workers stop when the engine shuts down.
+- each rank's KV cache holds only its heads; the workers stop when the engine shuts down;
+- no worker outlives its driver: not after the interpreter exits without shutdown(), nor after a
+  Ctrl-C mid-generation (which ends the driver at once), nor after the driver is killed outright;
+  a worker that dies before it starts is a clear error at once.
 """
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from minipaged import SamplingParams
-from minipaged.distributed import kv_heads_per_rank, shard_rule
+from minipaged.distributed import COLLECTIVE_TIMEOUT_S, _wait_started, kv_heads_per_rank, shard_rule
 from minipaged.engine import LLMEngine
 
 PROMPTS = [[5, 9, 14, 3, 8, 22, 41, 7, 13, 2, 19, 30, 11], [101, 7, 55], [64, 3, 200, 17, 9, 4, 88], [5, 9, 14, 3, 8, 22, 41, 7, 1]]
@@ -119,3 +128,124 @@ def test_a_dead_worker_fails_the_step_with_its_name_and_nothing_hangs(tiny_model
     finally:
         eng.shutdown()
     assert not any(p.is_alive() for p in eng.executor._group.procs)
+
+
+# ----- processes are owned: no worker outlives its driver, however the driver ends ---------------
+
+# The driver: the default model (SmolLM2: 9 heads, 3 KV heads, so N = 3; N = 2 divides neither),
+# a few tokens generated, the workers' pids written, then either a normal exit without
+# shutdown() (the engine is never closed) or generation in a loop until a signal ends it.
+DRIVER = """
+import os, sys
+from minipaged import LLM, SamplingParams
+
+def main():
+    mode, pidfile = sys.argv[1], sys.argv[2]
+    llm = LLM(tensor_parallel_size=3)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate(["Hello"], params)[0].outputs[0].token_ids) == 3
+    with open(pidfile + ".tmp", "w") as f:
+        f.write(" ".join(str(p.pid) for p in llm.engine.executor._group.procs))
+    os.replace(pidfile + ".tmp", pidfile)
+    while mode == "loop":
+        llm.generate(["Hello there", "One two three"], params)
+
+if __name__ == "__main__":  # spawn re-imports this script in every worker
+    main()
+"""
+
+
+def _running(pid: int) -> bool:
+    """A process that exists and is not a zombie (a reaped-late orphan counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not os.path.isdir("/proc")  # with /proc, its absence already said "gone"
+
+
+def _start_driver(tmp_path, mode: str):
+    script, pidfile = tmp_path / "driver.py", tmp_path / "pids"
+    script.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script), mode, str(pidfile)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600  # the model loads and the workers start on shared cores
+    while not pidfile.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"the driver exited ({proc.returncode}) before it generated:\n{proc.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the driver did not generate within 600 s")
+        time.sleep(0.2)
+    pids = [int(x) for x in pidfile.read_text().split()]
+    assert len(pids) == 2 and all(_running(p) for p in pids)
+    return proc, pids
+
+
+def _assert_gone(pids: list[int], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if _running(p)]
+    for p in left:  # the test leaves no orphan of its own either
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"worker(s) {left} outlived their driver by {within} s"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and /proc")
+def test_no_worker_outlives_an_interpreter_that_exits_without_shutdown(tmp_path):
+    proc, pids = _start_driver(tmp_path, "exit")
+    try:
+        out, _ = proc.communicate(timeout=COLLECTIVE_TIMEOUT_S - 15)  # a goodbye, not a collective timeout
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _assert_gone(pids, 0)
+        pytest.fail("the interpreter did not exit: the engine's workers held it")
+    assert proc.returncode == 0, out[-3000:]
+    _assert_gone(pids)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and /proc")
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_no_worker_outlives_a_driver_stopped_mid_generation(tmp_path, sig):
+    """Ctrl-C (SIGINT to the driver alone, most likely mid-step while the workers wait in an
+    all-reduce) ends the driver at once, not after the collective timeout, and takes the workers
+    with it; a driver killed outright (SIGKILL: no cleanup runs at all) leaves none behind either."""
+    proc, pids = _start_driver(tmp_path, "loop")
+    time.sleep(1.0)  # well into the loop
+    t = time.monotonic()
+    proc.send_signal(getattr(signal, sig))
+    try:
+        out, _ = proc.communicate(timeout=COLLECTIVE_TIMEOUT_S - 15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        _assert_gone(pids, 0)
+        pytest.fail(f"the driver did not exit within {COLLECTIVE_TIMEOUT_S - 15} s of {sig}")
+    assert proc.returncode == -getattr(signal, sig) or (sig == "SIGINT" and proc.returncode == 1), out[-3000:]
+    if sig == "SIGINT":
+        assert "KeyboardInterrupt" in out and "Timed out" not in out, out[-3000:]
+    _assert_gone(pids)
+    assert time.monotonic() - t < COLLECTIVE_TIMEOUT_S - 15
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_before_it_starts_is_a_clear_error_at_once():
+    """(A script without the ``__main__`` guard: spawn re-imports it and the worker fails.)"""
+    ctx = torch.multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=os._exit, args=(3,), daemon=True)  # dies before it says it started
+    proc.start()
+    writer.close()
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) exited with code 3 before it started.*__main__"):
+        _wait_started([proc], [reader], timeout=COLLECTIVE_TIMEOUT_S)
+    assert time.monotonic() - t < 30 and not proc.is_alive()
