@@ -69,6 +69,7 @@ class _Settings:
     eos_token_ids: tuple = ()
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 class StopChecker:
@@ -78,6 +79,14 @@ class StopChecker:
     is cut before it, and no part of it is ever returned), ``max_tokens``, the model's context
     (``max_model_len``). Text that could still turn out to be the start of a stop string is held
     back until it cannot, so a streamed answer never shows a stop string.
+
+    ``min_tokens`` (vLLM's rule): until that many tokens are out, neither EOS nor a stop token
+    ends the request (the sampler masks them too), and stop strings are looked for only once
+    more than ``min_tokens`` tokens are out, so a stop string that lies wholly in the text of the
+    first ``min_tokens`` tokens is not honoured; one that ends in a later token's text is, even
+    when it began earlier (vLLM's detokenizer, ``vllm/v1/engine/detokenizer.py``, skips the stop
+    check while ``len(output_token_ids) <= min_tokens``; its scheduler's ``check_stop`` ignores
+    EOS and stop tokens while ``num_output_tokens < min_tokens``).
 
     A sequence's checker is made by :meth:`for_sequence`, the one place one is built: it reads
     ``max_tokens``, ``eos_token_ids``, ``stop_token_ids`` and ``ignore_eos`` from the sequence
@@ -96,8 +105,10 @@ class StopChecker:
         ignore_eos: bool = False,
         max_model_len: int | None = None,
         tokenizer: Any = None,
+        min_tokens: int = 0,
     ) -> None:
-        settings = _Settings(max_tokens, num_prompt_tokens, tuple(eos_token_ids), tuple(stop_token_ids), ignore_eos)
+        settings = _Settings(max_tokens, num_prompt_tokens, tuple(eos_token_ids), tuple(stop_token_ids), ignore_eos,
+                             int(min_tokens))
         self._setup(settings, stop, max_model_len, tokenizer)
 
     @classmethod
@@ -139,6 +150,15 @@ class StopChecker:
         return frozenset(self.settings.stop_token_ids)
 
     @property
+    def min_tokens(self) -> int:
+        """Tokens that must come out before EOS, a stop token or a stop string may end the request:
+        the settings' own ``min_tokens``, else (a sequence) its SamplingParams'."""
+        v = getattr(self.settings, "min_tokens", None)
+        if v is None:
+            v = getattr(getattr(self.settings, "sampling_params", None), "min_tokens", 0)
+        return int(v or 0)
+
+    @property
     def text(self) -> str:
         """The answer so far, cut before a stop string."""
         return self._text
@@ -151,13 +171,15 @@ class StopChecker:
         reason = None
         cut = False
         rule = self.settings
-        if (token_id in rule.eos_token_ids and not rule.ignore_eos) or token_id in rule.stop_token_ids:
+        min_tokens = self.min_tokens
+        if self.num_output_tokens >= min_tokens and (
+                (token_id in rule.eos_token_ids and not rule.ignore_eos) or token_id in rule.stop_token_ids):
             reason = FinishReason.STOP  # the stop token itself adds no text
         elif self.detok is not None:
             piece = self.detok.append(token_id)
             if piece:
                 self._text += piece
-                if self.stop:
+                if self.stop and self.num_output_tokens > min_tokens:
                     # only the tail can hold a stop string that was not there before
                     lo = max(0, len(self._text) - len(piece) - self._hold)
                     hits = [i for i in (self._text.find(s, lo) for s in self.stop) if i >= 0]

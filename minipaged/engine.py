@@ -139,7 +139,7 @@ def _is_chat(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(m, dict) and "role" in m for m in x)
 
 
-CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template")
+CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs")
 
 
 def _is_chat_request(x: Any) -> bool:
@@ -386,26 +386,47 @@ class LLMEngine:
         return out
 
     def render_chat(self, messages: Any, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template: str | None = None) -> str:
+                    chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> str:
         """A conversation as prompt text, in the model's chat template (or ``chat_template``, a Jinja
         string), as vLLM's ``LLM.chat`` renders it: ``add_generation_prompt`` opens the assistant's
-        turn; ``continue_final_message`` leaves the last (assistant) message open, to be continued."""
+        turn; ``continue_final_message`` leaves the last (assistant) message open, to be continued;
+        ``chat_template_kwargs`` are more variables for the template (e.g. ``enable_thinking``).
+        A template that does not compile or render is a ValueError starting "chat_template:"."""
         self._need_tokenizer("chat messages")
         msgs = self._chat_messages(messages)
         if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final_message, bool):
             raise TypeError("add_generation_prompt and continue_final_message are True or False")
         if continue_final_message and (add_generation_prompt or msgs[-1]["role"] != "assistant"):
             raise ValueError("continue_final_message=True needs add_generation_prompt=False and the assistant's message last")
-        if chat_template is None:
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs is a dict of template variables, got {type(chat_template_kwargs).__name__}")
+        if chat_template is None and not chat_template_kwargs:
             text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
         else:
-            if not isinstance(chat_template, str):
+            if chat_template is not None and not isinstance(chat_template, str):
                 raise TypeError(f"chat_template is a Jinja template string, got {type(chat_template).__name__}")
+            import jinja2
+
             from .model.tokenizer import _render_chat_template
 
             tok = self.tokenizer
-            text = _render_chat_template(chat_template, messages=msgs, add_generation_prompt=add_generation_prompt,
-                                         bos_token=getattr(tok, "bos_token", None) or "", eos_token=getattr(tok, "eos_token", None) or "")
+            kwargs = dict(chat_template_kwargs or {})
+            template = chat_template if chat_template is not None else kwargs.get("chat_template") or getattr(tok, "chat_template", None)
+            if not isinstance(template, (str, type(None))):
+                raise TypeError(f"chat_template is a Jinja template string, got {type(template).__name__}")
+            if not template:
+                raise ValueError("chat_template: the model has no chat template; pass one (a Jinja string)")
+            # vLLM's order: the request's kwargs are applied over the standard variables
+            context = dict(messages=msgs, add_generation_prompt=add_generation_prompt,
+                           bos_token=getattr(tok, "bos_token", None) or "", eos_token=getattr(tok, "eos_token", None) or "")
+            context.update({k: v for k, v in kwargs.items() if k not in ("chat_template", "messages")})
+            try:
+                text = _render_chat_template(template, **context)
+            except Exception as e:  # noqa: BLE001 - a template is user content: whatever it raises is its fault
+                where = f" (line {e.lineno})" if isinstance(e, jinja2.TemplateSyntaxError) and e.lineno else ""
+                raise ValueError(f"chat_template: the chat template failed to render{where}: {type(e).__name__}: {e}") from None
+            if not isinstance(text, str):
+                raise ValueError("chat_template: the chat template did not render to text")
         if continue_final_message:
             last = msgs[-1]["content"]
             end = text.rfind(last)
@@ -1136,11 +1157,13 @@ class LLM:
 
     def chat(self, messages: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_content_format: str = "auto") -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_content_format: str = "auto",
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts; the content a string or OpenAI's
         ``[{"type": "text", "text": ...}]`` parts) or a list of conversations, as vLLM's ``LLM.chat``:
         ``chat_template`` (a Jinja string) replaces the model's, ``add_generation_prompt`` opens the
-        assistant's turn, ``continue_final_message`` continues the last (assistant) message."""
+        assistant's turn, ``continue_final_message`` continues the last (assistant) message,
+        ``chat_template_kwargs`` are more variables for the template."""
         if _is_chat(messages):
             messages = [messages]
         if not isinstance(messages, list) or not all(_is_chat(m) for m in messages):
@@ -1154,6 +1177,8 @@ class LLM:
             options["add_generation_prompt"] = add_generation_prompt
         if continue_final_message:
             options["continue_final_message"] = continue_final_message
+        if chat_template_kwargs:
+            options["chat_template_kwargs"] = chat_template_kwargs
         prompts = [{"messages": m, **options} for m in messages] if options else messages
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -1,26 +1,48 @@
 #!/usr/bin/env bash
-# Measure one `minipaged serve` with three load generators on the same load, in their default
-# (streaming) modes: `minipaged bench serve`, vLLM's guidellm and NVIDIA's aiperf. They pull large
-# dependencies, so they are installed here, each in its own venv under build/bench-tools, and
-# this script is not part of `make test`. Writes build/bench-tools/out/{minipaged.json,guidellm*,aiperf/}
-# and prints each tool's throughput and TTFT p50 for docs/serving.md's table.
+# Measure one `minipaged serve` with three load generators on the same load, streaming (their
+# default mode): `minipaged bench serve`, the vLLM project's guidellm and NVIDIA's aiperf. All
+# three send /v1/completions with IN prompt tokens and exactly OUT output tokens (ignore_eos),
+# N requests at RATE per second, constant arrivals. The tools pull large dependencies (guidellm
+# brings torch, ~6 GB; aiperf ~1 GB), so each is installed once in its own venv under $TOOLS
+# (default build/bench-tools) and this script is not part of `make test`. Writes
+# $WORK/out/{minipaged,guidellm,aiperf}.txt (+ their JSON) and a summary of request throughput
+# and TTFT p50 per tool (summary.txt) for docs/serving.md's table.
 #
-#   scripts/compare_bench_tools.sh                 # the default model, 32 requests at 2 req/s
+#   scripts/compare_bench_tools.sh                        # the default model, 32 requests at 2 req/s
 #   N=64 RATE=4 IN=128 OUT=64 scripts/compare_bench_tools.sh
+#   TOOLS=/tmp/bench-tools scripts/compare_bench_tools.sh # venvs somewhere with room
+#
+# Checked with guidellm 0.8.1 (its `guidellm run --backend kind=...` command line; older
+# releases had `guidellm benchmark --target ...` instead) and aiperf 0.13.0, on Python 3.11;
+# pin them with GUIDELLM_SPEC=guidellm==0.8.1 AIPERF_SPEC=aiperf==0.13.0 if a later release moves.
+# Both ran unchanged against `minipaged serve` (streaming, continuous_usage_stats, ignore_eos,
+# max_tokens / max_completion_tokens): 0 errors. A first, brief run on a shared 2-core CPU
+# (SmolLM2-135M Q4_1, N=8 RATE=0.5 IN=64 OUT=16, ~4 minutes with the tools' start-up):
+#
+#   tool                        req/s  TTFT p50 ms
+#   minipaged bench serve       0.515        223.3
+#   guidellm                    0.558        112.7
+#   aiperf                      0.489        238.1
+#
+# Throughput agrees within 10% (at a fixed arrival rate it mostly measures the rate); TTFT p50
+# over 8 requests on 2 busy cores does not settle (each tool saw different moments of load):
+# the 10% comparison wants the default N=32 or more, on an otherwise idle machine or a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 N=${N:-32}; RATE=${RATE:-2}; IN=${IN:-128}; OUT=${OUT:-64}; PORT=${PORT:-8765}
-WORK=build/bench-tools; mkdir -p "$WORK/out"
+WORK=${WORK:-build/bench-tools}; TOOLS=${TOOLS:-$WORK}
+mkdir -p "$WORK/out" "$TOOLS"
+WORK=$(cd "$WORK" && pwd); TOOLS=$(cd "$TOOLS" && pwd)  # absolute: the tools run with paths of their own
 URL="http://127.0.0.1:$PORT"
 
 tool_venv() {  # tool_venv NAME PACKAGE: a venv with PACKAGE, made once
-  if [ ! -x "$WORK/$1/bin/$1" ]; then
-    python3 -m venv "$WORK/$1" && "$WORK/$1/bin/pip" install -q "$2"
+  if [ ! -x "$TOOLS/$1/bin/$1" ]; then
+    python3 -m venv "$TOOLS/$1" && "$TOOLS/$1/bin/pip" install -q "$2"
   fi
 }
-tool_venv guidellm guidellm
-tool_venv aiperf aiperf
+tool_venv guidellm "${GUIDELLM_SPEC:-guidellm}"
+tool_venv aiperf "${AIPERF_SPEC:-aiperf}"
 
 # The tokenizer both tools count tokens with: the served model's, written out as a folder
 # (they would otherwise fetch it from the Hub).
@@ -38,19 +60,54 @@ fi
 "$PY" -m minipaged serve --port "$PORT" --seed 0 --served-model-name smollm2 > "$WORK/out/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
-for _ in $(seq 120); do curl -sf "$URL/health" >/dev/null && break; sleep 1; done
+for _ in $(seq 300); do curl -sf "$URL/health" >/dev/null && break; sleep 1; done
+curl -sf "$URL/health" >/dev/null || { echo "the server did not come up: see $WORK/out/server.log"; exit 1; }
 
-# the same load for each: N requests of IN prompt tokens and OUT output tokens, RATE per second
+# Each tool gets a fresh server state only in the sense that prompts differ: minipaged draws a fresh
+# seed, guidellm and aiperf make their own synthetic text, so no run hits another's prefix cache.
 "$PY" -m minipaged bench serve --url "$URL/v1" --model smollm2 --dataset fixed --input-len "$IN" --output-len "$OUT" \
-  --num-requests "$N" --rate "$RATE" --arrival constant --no-progress --json "$WORK/out/minipaged.json" | tee "$WORK/out/minipaged.txt"
+  --num-requests "$N" --rate "$RATE" --arrival constant --no-progress --json "$WORK/out/minipaged.json" \
+  | tee "$WORK/out/minipaged.txt" || echo "minipaged bench serve failed (exit $?): see its output above"
 
-"$WORK/guidellm/bin/guidellm" benchmark --target "$URL" --model smollm2 --processor "$TOK" \
-  --data "prompt_tokens=$IN,output_tokens=$OUT" --rate-type constant --rate "$RATE" --max-requests "$N" \
-  --output-path "$WORK/out/guidellm.json" | tee "$WORK/out/guidellm.txt"
+"$TOOLS/guidellm/bin/guidellm" run \
+  --backend "kind=openai_http,target=$URL,model=smollm2,request_format=/v1/completions" \
+  --profile "kind=constant,rate=$RATE" --constraint "kind=max_requests,count=$N" \
+  --data "kind=synthetic_text,prompt_tokens=$IN,output_tokens=$OUT" --tokenizer "kind=hf_auto,model=$TOK" \
+  --output "kind=json,path=$WORK/out/guidellm.json" --output kind=console --disable-progress \
+  | tee "$WORK/out/guidellm.txt" || echo "guidellm failed (exit $?): see its output above"
 
-"$WORK/aiperf/bin/aiperf" profile --model smollm2 --url "$URL" --endpoint-type completions --streaming \
-  --tokenizer "$TOK" --synthetic-input-tokens-mean "$IN" --synthetic-input-tokens-stddev 0 \
-  --output-tokens-mean "$OUT" --output-tokens-stddev 0 --request-count "$N" --request-rate "$RATE" \
-  --artifact-dir "$WORK/out/aiperf" | tee "$WORK/out/aiperf.txt"
+"$TOOLS/aiperf/bin/aiperf" profile --model smollm2 --url "$URL" --endpoint-type completions --streaming \
+  --tokenizer "$TOK" --isl "$IN" --isl-stddev 0 --osl "$OUT" --osl-stddev 0 --extra-inputs ignore_eos:true \
+  --request-count "$N" --request-rate "$RATE" --request-rate-mode constant --ui none \
+  --artifact-dir "$WORK/out/aiperf" | tee "$WORK/out/aiperf.txt" || echo "aiperf failed (exit $?): see its output above"
 
+# One line per tool: request throughput (req/s) and TTFT p50 (ms), read from each tool's own output.
+"$PY" - "$WORK/out" <<'PYEOF' | tee "$WORK/out/summary.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+
+def read(name, get):
+    try:
+        return name, *get()
+    except Exception as e:  # noqa: BLE001 - a tool failed, or its JSON schema moved: say so, keep the rest
+        return name, None, f"unread ({type(e).__name__}: {e})"
+
+def minipaged():
+    m = json.loads((out / "minipaged.json").read_text())
+    return m["request_throughput"], m["ttft_ms"]["p50"]
+
+def guidellm():  # guidellm 0.8: benchmarks[0].metrics.<metric>.successful.{mean,median}
+    b = json.loads((out / "guidellm.json").read_text())["benchmarks"][0]["metrics"]
+    return b["requests_per_second"]["successful"]["mean"], b["time_to_first_token_ms"]["successful"]["median"]
+
+def aiperf():  # aiperf 0.13: profile_export_aiperf.json, <metric>.{avg,p50}
+    a = json.loads(next((out / "aiperf").rglob("profile_export_aiperf.json")).read_text())
+    return a["request_throughput"]["avg"], a["time_to_first_token"]["p50"]
+
+fmt = lambda v, p: f"{v:.{p}f}" if isinstance(v, (int, float)) else str(v)  # noqa: E731
+print(f"{'tool':24} {'req/s':>8} {'TTFT p50 ms':>12}")
+for name, thr, ttft in (read("minipaged bench serve", minipaged), read("guidellm", guidellm), read("aiperf", aiperf)):
+    print(f"{name:24} {fmt(thr, 3):>8} {fmt(ttft, 1):>12}")
+PYEOF
 echo "outputs in $WORK/out: compare request throughput and TTFT p50 (within 10% is agreement)"

@@ -369,6 +369,37 @@ def test_stop_reason_and_include_stop_str_in_output(llm, tiny_model):
     assert streamed == kept.text
 
 
+def test_min_tokens_defers_stop_strings_as_vllm_does(llm, tiny_model):
+    """vLLM looks for stop strings only once more than min_tokens tokens are out (its detokenizer
+    skips the check while ``len(output_token_ids) <= min_tokens``); the search still reaches back
+    ``len(stop) - 1`` characters, so a stop string that ends after min_tokens is honoured even when
+    it began before."""
+    _, tok = tiny_model
+    fox = tok.encode(" fox")[0]
+    piece = tok.decode([fox])  # every token below prints this piece
+    forced = dict(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={fox: 100.0})
+    prompt = "def add(a, b):"
+    assert llm.generate(prompt, SamplingParams(**forced, stop=[piece]))[0].outputs[0].token_ids == [fox]  # at once
+    o = llm.generate(prompt, SamplingParams(**forced, stop=[piece], min_tokens=3))[0].outputs[0]
+    assert len(o.token_ids) == 4 and o.text == piece * 3 and o.stop_reason == piece and o.finish_reason == "stop"
+    streamed = "".join(llm.stream(prompt, SamplingParams(**forced, stop=[piece], min_tokens=3)))
+    assert streamed == piece * 3
+    # a stop string of two pieces: with min_tokens=1 it is found when the second token completes it
+    two = llm.generate(prompt, SamplingParams(**forced, stop=[piece * 2], min_tokens=1))[0].outputs[0]
+    assert len(two.token_ids) == 2 and two.text == "" and two.stop_reason == piece * 2
+    # min_tokens = max_tokens: no stop string can end it early
+    full = llm.generate(prompt, SamplingParams(**{**forced, "max_tokens": 5}, stop=[piece], min_tokens=5))[0].outputs[0]
+    assert full.text == piece * 5 and full.finish_reason == "length" and full.stop_reason is None
+
+
+def test_stop_checker_ignores_eos_and_stop_tokens_before_min_tokens():
+    from minipaged.detokenizer import StopChecker
+
+    c = StopChecker(max_tokens=6, num_prompt_tokens=1, eos_token_ids=[2], stop_token_ids=[3], min_tokens=3)
+    assert [c.append(t)[0] for t in (2, 3)] == [None, None]  # forced through the masks (a draft, a custom sampler)
+    assert c.append(2)[0] == "stop"  # the third token may end it (vLLM: num_output_tokens < min_tokens checks nothing)
+
+
 def test_skip_special_tokens_false_keeps_them(llm, tiny_model):
     _, tok = tiny_model
     special = tok.encode("<|im_start|>")
@@ -377,6 +408,23 @@ def test_skip_special_tokens_false_keeps_them(llm, tiny_model):
     assert "<|im_start|>" not in llm.generate("Hi", sp)[0].outputs[0].text
     assert llm.generate("Hi", SamplingParams(**{**{f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)},
                                                 "skip_special_tokens": False}))[0].outputs[0].text == "<|im_start|>" * 2
+
+
+def test_decoded_token_of_a_special_token_is_its_text(llm, tiny_model):
+    """vLLM decodes each logprob's token alone with the tokenizer's default (special tokens kept:
+    ``convert_ids_list_to_tokens`` in vllm/transformers_utils/detokenizer_utils.py), whatever
+    ``skip_special_tokens`` says about the answer's text; prompt logprobs likewise."""
+    _, tok = tiny_model
+    special = tok.encode("<|im_start|>")[0]
+    for skip in (True, False):
+        sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={special: 100.0}, logprobs=1,
+                            prompt_logprobs=1, skip_special_tokens=skip)
+        out = llm.generate("<|im_start|>user Hi", sp)[0]
+        o = out.outputs[0]
+        assert o.token_ids == [special] * 2 and o.text == ("" if skip else "<|im_start|>" * 2)
+        assert [e[special].decoded_token for e in o.logprobs] == ["<|im_start|>"] * 2
+        assert out.prompt_token_ids[0] == special and out.prompt_logprobs[0] is None
+        assert out.prompt_logprobs[1][out.prompt_token_ids[1]].decoded_token == tok.decode([out.prompt_token_ids[1]])
 
 
 def test_max_tokens_none_runs_to_the_end_of_the_context(tiny_model):
@@ -553,6 +601,115 @@ def test_server_chat_logprobs(app_client):
         if ch.choices and ch.choices[0].logprobs is not None:
             streamed += [c.token for c in ch.choices[0].logprobs.content]
     assert streamed == [c.token for c in content]
+
+
+def test_server_logprobs_name_special_tokens(app_client, tiny_model):
+    _, _, client = app_client
+    _, tok = tiny_model
+    special = tok.encode("<|im_start|>")[0]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0,
+                                       logprobs=True, top_logprobs=1,
+                                       extra_body={"ignore_eos": True, "logit_bias": {str(special): 100}})
+    assert r.choices[0].message.content == ""  # skip_special_tokens: the text leaves them out
+    assert [(c.token, c.bytes) for c in r.choices[0].logprobs.content] == [("<|im_start|>", list(b"<|im_start|>"))] * 2
+    c = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0, logprobs=0,
+                                  extra_body={"ignore_eos": True, "logit_bias": {str(special): 100},
+                                              "skip_special_tokens": False})
+    assert c.choices[0].text == "<|im_start|>" * 2 and c.choices[0].logprobs.tokens == ["<|im_start|>"] * 2
+
+
+def test_server_return_tokens_as_token_ids(app_client):
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>" (both endpoints)."""
+    _, _, client = app_client
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+                                       logprobs=True, top_logprobs=2, extra_body=extra)
+    for c in r.choices[0].logprobs.content:
+        assert c.token.startswith("token_id:") and all(t.token.startswith("token_id:") for t in c.top_logprobs)
+        assert c.bytes == list(c.token.encode())
+    c = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=1, extra_body=extra)
+    lp = c.choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens) and all(k.startswith("token_id:") for d in lp.top_logprobs for k in d)
+
+
+MARKED = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+          "{% if add_generation_prompt %}[assistant]{% endif %}{% if mood %} ({{ mood }}){% endif %}")
+
+
+def test_server_refuses_a_request_template_unless_trusted(app_client):
+    """vLLM: a request's own chat_template needs --trust-request-chat-template (a 400 otherwise)."""
+    import openai
+
+    _, _, client = app_client
+    msgs = [{"role": "user", "content": "Hi"}]
+    for extra in ({"chat_template": MARKED}, {"chat_template_kwargs": {"chat_template": MARKED}}):
+        with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template") as e:
+            client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, extra_body=extra)
+        assert e.value.body["param"] == "chat_template"
+    # chat_template_kwargs alone are always taken (the model's template ignores a variable it does not use)
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, temperature=0)
+    kw = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, temperature=0,
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert (kw.choices[0].message.content, kw.usage.prompt_tokens) == (plain.choices[0].message.content, plain.usage.prompt_tokens)
+
+
+@pytest.fixture(scope="module")
+def trusting_client(tiny_model):
+    """An app started as `minipaged serve --trust-request-chat-template`, and an openai client to it."""
+    openai = pytest.importorskip("openai")
+    from starlette.testclient import TestClient
+
+    from minipaged.engine import LLMEngine
+    from minipaged.server.app import ServerConfig, create_app
+
+    model, tok = tiny_model
+    app = create_app(lambda: LLMEngine(model, tok, num_blocks=64, block_size=4, max_num_seqs=4),
+                     ServerConfig(model_names=("tiny",), trust_request_chat_template=True))
+    with TestClient(app) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+def test_server_renders_a_request_chat_template_with_its_kwargs(trusting_client, llm, tiny_model):
+    import openai
+
+    _, tok = tiny_model
+    client = trusting_client
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "More"}]
+
+    def ask(**extra):
+        return client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                              extra_body={"ignore_eos": True, **extra})
+
+    cases = [({"chat_template": MARKED}, "[user] Hi\n[assistant] Hello\n[user] More\n[assistant]"),
+             ({"chat_template": MARKED, "chat_template_kwargs": {"mood": "glad"}},
+              "[user] Hi\n[assistant] Hello\n[user] More\n[assistant] (glad)"),
+             ({"chat_template_kwargs": {"chat_template": MARKED}, "add_generation_prompt": False},
+              "[user] Hi\n[assistant] Hello\n[user] More\n")]
+    for extra, text in cases:
+        r = ask(**extra)
+        want = llm.generate(text, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+        assert r.usage.prompt_tokens == len(tok.encode(text)) and r.choices[0].message.content == want.outputs[0].text, extra
+    for bad, what in (("{% for m in messages %}", "TemplateSyntaxError"),
+                      ("{{ raise_exception('this template wants a system message') }}", "wants a system message")):
+        with pytest.raises(openai.BadRequestError, match="chat template failed to render") as e:
+            ask(chat_template=bad)
+        assert e.value.body["param"] == "chat_template" and what in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(chat_template_kwargs={"chat_template": 5})
+    assert e.value.body["param"] == "chat_template_kwargs"
+    assert ask().choices[0].finish_reason == "length"  # still serving
+
+
+def test_llm_chat_takes_chat_template_kwargs_and_names_a_broken_template(llm):
+    out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), chat_template=MARKED,
+                   chat_template_kwargs={"mood": "calm"})[0]
+    assert out.prompt == "[user] Hi\n[assistant] (calm)"
+    with pytest.warns(UserWarning, match="chat_template: the chat template failed to render"):  # LLM's way: refused, said why
+        bad = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), chat_template="{{ 1 / 0 }}")[0]
+    assert bad.finish_reason == "rejected" and "ZeroDivisionError" in bad.error
+    with pytest.raises(ValueError, match="chat_template: the chat template failed to render"):
+        llm.llm_engine.add_request("broken-template", {"messages": [{"role": "user", "content": "Hi"}], "chat_template": "{% if %}"},
+                                   SamplingParams(max_tokens=1))
 
 
 def test_server_completion_logprobs_and_echo(app_client, llm):

@@ -52,6 +52,11 @@ class ServerConfig:
     api_key: str | None = None
     allowed_hosts: Any = None
     log_requests: bool = False  # log each request's id, prompt count and sampling parameters (info level)
+    # vLLM's --trust-request-chat-template: a chat request may bring its own Jinja template
+    # (rendered sandboxed); off, such a request gets 400, as in vLLM
+    trust_request_chat_template: bool = False
+    # vLLM's --return-tokens-as-token-ids: logprobs name tokens "token_id:<id>" unless a request says otherwise
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
@@ -188,6 +193,8 @@ def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerCon
         if req.model is not None and req.model not in cfg.model_names:
             raise P.model_not_found(req.model, list(cfg.model_names))
         model = req.model or cfg.model_names[0]
+        if kind == "chat" and req.request_template() is not None and not cfg.trust_request_chat_template:
+            raise P.untrusted_chat_template()
         default_max = cfg.default_completion_max_tokens if kind == "completion" else max(1, loop_.max_model_len)
         params = P.sampling_params_of(req, default_max)
         prompts = P.prompts_of(req)
@@ -205,6 +212,8 @@ def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerCon
         call = _Call(kind, rid, model, P.now(), sub_ids, events, loop_, n=getattr(params, "n", 1))
         if getattr(params, "logprobs", None) is not None:
             call.top_logprobs = params.logprobs
+        as_ids = req.return_tokens_as_token_ids
+        call.tokens_as_ids = cfg.return_tokens_as_token_ids if as_ids is None else as_ids
         if kind == "completion" and req.echo:
             call.echo = {sid: _prompt_text(loop_, p) for sid, p in zip(sub_ids, prompts)}
         call.watch(request)  # a hang-up is noticed the moment it happens, however busy the request is
@@ -270,6 +279,7 @@ class _Call:
         self.top_logprobs: int | None = None  # logprobs asked for: this many top tokens per position
         self.echo: dict[str, str] | None = None  # completions with echo: each prompt's text
         self.continuous_usage = False  # stream_options.continuous_usage_stats: usage in every chunk
+        self.tokens_as_ids = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
         self.logprobs_sent: dict[int, int] = {}  # choice -> positions of logprobs already streamed
         self.text_sent: dict[int, int] = {}  # choice -> characters already streamed (text_offset)
         self._watcher: asyncio.Future | None = None
@@ -345,7 +355,9 @@ class _Call:
 
     def _logprobs(self, entries: list, offset: int = 0) -> dict:
         n = self.top_logprobs or 0
-        return P.chat_logprobs(entries, n) if self.kind == "chat" else P.completion_logprobs(entries, n, offset)
+        if self.kind == "chat":
+            return P.chat_logprobs(entries, n, self.tokens_as_ids)
+        return P.completion_logprobs(entries, n, offset, self.tokens_as_ids)
 
     def _entries(self, out: Any, sample: Any) -> list:
         """A sample's per-token logprobs; with echo, the prompt's first (its first position has none)."""

@@ -65,6 +65,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="do not log requests (the default; vLLM's older flag, accepted as is)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may give as `model` (default: the model's name, and its Hub name for the default model)")
+    p.add_argument("--trust-request-chat-template", action="store_true", default=False,
+                   help="let chat requests bring their own Jinja chat_template (rendered sandboxed); without it they get "
+                        "400, as in vLLM. chat_template_kwargs are always taken")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true", default=False,
+                   help="logprobs name each token 'token_id:<id>' (a request's return_tokens_as_token_ids overrides it)")
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only); 0.0.0.0 serves the network")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
@@ -139,7 +144,9 @@ def build_app(args: argparse.Namespace):
     cfg = ServerConfig(model_names=names, max_waiting_requests=args.max_waiting_requests,
                        max_request_bytes=args.max_request_bytes, drain_timeout_s=args.drain_timeout,
                        api_key=api_key, allowed_hosts="loopback" if is_loopback(args.host) else None,
-                       log_requests=bool(getattr(args, "log_requests", False)))
+                       log_requests=bool(getattr(args, "log_requests", False)),
+                       trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
+                       return_tokens_as_token_ids=bool(getattr(args, "return_tokens_as_token_ids", False)))
     seed = getattr(args, "seed", None)
 
     def make_engine():

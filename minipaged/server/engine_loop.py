@@ -65,7 +65,8 @@ def _param_of(e: Exception) -> str:
     if param is not None:
         return param
     msg = str(e)
-    for prefix, field_ in (("SamplingParams(n=", "n"), ("max_tokens=", "max_tokens"), ("stop string", "stop")):
+    for prefix, field_ in (("SamplingParams(n=", "n"), ("max_tokens=", "max_tokens"), ("stop string", "stop"),
+                           ("chat_template", "chat_template")):
         if msg.startswith(prefix):
             return field_
     return "prompt"

@@ -43,6 +43,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+def untrusted_chat_template() -> APIError:
+    """vLLM's refusal of a request's own chat template when the server was not told to trust them."""
+    return APIError(
+        400, "Chat template is passed with request, but --trust-request-chat-template is not set. Refused request with "
+        "untrusted chat template (start the server with --trust-request-chat-template to allow them)",
+        "invalid_request_error", "chat_template", "untrusted_chat_template",
+    )
+
+
 def model_not_found(name: str, served: list[str]) -> APIError:
     return APIError(
         404, f"the model {name!r} does not exist here; this server serves {served} (see GET /v1/models)",
@@ -87,7 +96,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,),
     "use_beam_search": (None, False),
-    "chat_template": (None,),
     "prompt_embeds": (None,),
 }
 # Any other field a request's schema does not know is ignored and logged once per name, as
@@ -130,6 +138,7 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True  # vLLM's extension
     spaces_between_special_tokens: bool = True  # vLLM's extension
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
+    return_tokens_as_token_ids: Optional[bool] = None  # vLLM's extension: logprobs name tokens "token_id:<id>"
 
     @field_validator("stop")
     @classmethod
@@ -171,6 +180,17 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM's extension: open the assistant's turn
     continue_final_message: bool = False  # vLLM's extension: the last (assistant) message goes on
+    # vLLM's extensions: a Jinja template in place of the model's (only when the server trusts
+    # request templates: --trust-request-chat-template), and more variables for the template
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    def request_template(self) -> str | None:
+        """The template this request brings: ``chat_template``, or one inside ``chat_template_kwargs`` (vLLM takes both)."""
+        if self.chat_template is not None:
+            return self.chat_template
+        t = (self.chat_template_kwargs or {}).get("chat_template")
+        return t if t is not None else None
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]"}
@@ -231,6 +251,10 @@ def parse_request(kind: Literal["completion", "chat"], data: Any):
     else:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs \"logprobs\": true", "top_logprobs")
+        t = (req.chat_template_kwargs or {}).get("chat_template")
+        if t is not None and not isinstance(t, str):
+            raise bad_request(f"chat_template_kwargs.chat_template must be a string (a Jinja template), got {type(t).__name__}",
+                              "chat_template_kwargs")
         if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
             raise bad_request("continue_final_message needs the last message to be the assistant's, and "
                               "\"add_generation_prompt\": false", "continue_final_message")
@@ -239,14 +263,19 @@ def parse_request(kind: Literal["completion", "chat"], data: Any):
 
 def prompts_of(req) -> list[Any]:
     """The engine prompts a request asks for: one per choice group (a batch of prompts gives several).
-    A chat is a list of messages; with ``add_generation_prompt=False`` or ``continue_final_message``
-    it is ``{"messages": [...], "add_generation_prompt": ..., "continue_final_message": ...}``."""
+    A chat is a list of messages; with vLLM's chat options (``add_generation_prompt=False``,
+    ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``) it is
+    ``{"messages": [...], "add_generation_prompt": ..., ...}``, the form the engine renders."""
     if isinstance(req, ChatCompletionRequest):
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        if req.add_generation_prompt and not req.continue_final_message:
-            return [msgs]
-        return [{"messages": msgs, "add_generation_prompt": req.add_generation_prompt,
-                 "continue_final_message": req.continue_final_message}]
+        options: dict[str, Any] = {}
+        if not req.add_generation_prompt or req.continue_final_message:
+            options.update(add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message)
+        if req.chat_template is not None:
+            options["chat_template"] = req.chat_template
+        if req.chat_template_kwargs:
+            options["chat_template_kwargs"] = dict(req.chat_template_kwargs)
+        return [{"messages": msgs, **options}] if options else [msgs]
     p = req.prompt
     if isinstance(p, str):
         return [p]
@@ -331,7 +360,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _token(tid: int, lp: Any) -> str:
+def _token(tid: int, lp: Any, as_ids: bool = False) -> str:
+    """A token as the response names it: its text, or ``token_id:<id>`` (vLLM's
+    ``return_tokens_as_token_ids``, for tokens whose text alone is not valid UTF-8)."""
+    if as_ids:
+        return f"token_id:{tid}"
     t = getattr(lp, "decoded_token", None)
     return t if t is not None else f"token_id:{tid}"
 
@@ -342,19 +375,20 @@ def _top(entry: dict, n: int) -> list:
     return [(tid, lp) for _, tid, lp in ranked]
 
 
-def chat_logprobs(entries: list, n: int) -> dict:
+def chat_logprobs(entries: list, n: int, as_ids: bool = False) -> dict:
     """vLLM's per-token logprobs (a {token id: Logprob} per token, the chosen first) -> OpenAI's chat form."""
     content = []
     for entry in entries:
         tid, lp = next(iter(entry.items()))
-        tok = _token(tid, lp)
+        tok = _token(tid, lp, as_ids)
         content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")),
-                        "top_logprobs": [{"token": _token(t, x), "logprob": x.logprob, "bytes": list(_token(t, x).encode("utf-8"))}
+                        "top_logprobs": [{"token": _token(t, x, as_ids), "logprob": x.logprob,
+                                          "bytes": list(_token(t, x, as_ids).encode("utf-8"))}
                                          for t, x in _top(entry, n)]})
     return {"content": content}
 
 
-def completion_logprobs(entries: list, n: int, offset: int = 0) -> dict:
+def completion_logprobs(entries: list, n: int, offset: int = 0, as_ids: bool = False) -> dict:
     """The same -> OpenAI's legacy completions form (tokens, token_logprobs, top_logprobs, text_offset).
     An entry that is None (a prompt's first token, with echo) has no logprob."""
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -366,10 +400,10 @@ def completion_logprobs(entries: list, n: int, offset: int = 0) -> dict:
             out["text_offset"].append(offset)
             continue
         tid, lp = next(iter(entry.items()))
-        tok = _token(tid, lp)
+        tok = _token(tid, lp, as_ids)
         out["tokens"].append(tok)
         out["token_logprobs"].append(lp.logprob)
-        out["top_logprobs"].append({_token(t, x): x.logprob for t, x in [(tid, lp)] + _top(entry, n)})
+        out["top_logprobs"].append({_token(t, x, as_ids): x.logprob for t, x in [(tid, lp)] + _top(entry, n)})
         out["text_offset"].append(offset)
         offset += len(tok)
     return out
