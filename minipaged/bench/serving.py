@@ -159,15 +159,19 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return [0.0, *np.cumsum(gaps[1:]).tolist()]
 
 
-def goodput(res: ServeResult, requests: list, ids: list[int], slo: dict) -> float:
-    """Requests per second that met the SLO (TTFT and TPOT both within it)."""
+def goodput(res: ServeResult, requests: list, ids: list[int], slo: dict, window_s: float | None = None) -> float:
+    """Requests per second that met the SLO (TTFT and TPOT both within it).
+
+    Divided by ``window_s``, the offered window (``n / rate``: the time over which the load was
+    offered), when given, so goodput is the offered rate times the fraction that met the SLO and
+    can never exceed the offered rate; else by the run's length (the older definition)."""
     ok = 0
     for i in ids:
         ttft = res.first_token[i] - res.arrival[i]
         n = requests[i][1]
         tpot = (res.finish[i] - res.first_token[i]) / (n - 1) if n > 1 else 0.0
         ok += ttft <= slo["ttft_s"] and tpot <= slo["tpot_s"]
-    return ok / res.seconds
+    return ok / (window_s if window_s else res.seconds)
 
 
 def online_sweep(model, requests: list, rates: list[float], slo: dict, systems: tuple[str, ...], seed: int,
@@ -189,6 +193,95 @@ def online_sweep(model, requests: list, rates: list[float], slo: dict, systems: 
                       file=sys.stderr)
         out["systems"][name] = rows
     return out
+
+
+# -- online load on a virtual clock: the real scheduler, a fitted step cost ---------------------
+def step_cost(fixed_s: float, per_seat_s: float, per_prefill_token_s: float):
+    """A step's seconds as ``fixed + per_seat * sequences in the step + per_token * prompt tokens``:
+    the three numbers a lesson fits to the steps it timed (lesson 06)."""
+    def cost(seats: int, prefill_tokens: int) -> float:
+        return fixed_s + per_seat_s * seats + per_prefill_token_s * prefill_tokens
+    cost.params = (fixed_s, per_seat_s, per_prefill_token_s)
+    return cost
+
+
+def simulate_online(requests: list[tuple[int, int]], arrivals: list[float], cost, *, static: bool = False,
+                    num_blocks: int, block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
+                    enable_chunked_prefill: bool = True, seed: int = 0) -> dict:
+    """Serve ``requests`` ((prompt_len, output_len), EOS ignored) arriving at ``arrivals`` (seconds)
+    with minipaged's own Scheduler and BlockAllocator (no prefix caching), on a virtual clock that
+    advances by ``cost(seats, prefill_tokens)`` a step and jumps over idle gaps. No model runs.
+
+    ``static=True`` is static batching: new requests are admitted only when the running batch has
+    drained, up to ``max_num_seqs`` (set it to what contiguous reservations fit). Returns per
+    request ``arrival``, ``first_token``, ``finish`` and ``token_times`` (when each output token
+    was produced), plus ``preemptions``, ``recomputed_tokens`` (KV computed again after a
+    preemption) and ``steps``."""
+    from ..block_allocator import BlockAllocator
+    from ..config import EngineConfig
+    from ..scheduler import Scheduler
+    from ..sequence import Sequence
+
+    n = len(requests)
+    if len(arrivals) != n:
+        raise ValueError(f"{len(arrivals)} arrival times for {n} requests: give one per request")
+    rng = np.random.default_rng(seed)
+    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill)
+    sched = Scheduler(BlockAllocator(num_blocks, block_size), config=config)
+    order = sorted(range(n), key=lambda i: (arrivals[i], i))
+    token_times: dict[int, list[float]] = {i: [] for i in range(n)}
+    computed = [0] * n
+    t, k, steps, queue = 0.0, 0, 0, []
+    while k < n or queue or sched.has_unfinished():
+        while k < n and arrivals[order[k]] <= t:
+            queue.append(order[k]); k += 1
+        if queue and (not static or not sched.has_unfinished()):
+            take = queue if not static else queue[:max_num_seqs]
+            for i in take:
+                p, o = requests[i]
+                seq = Sequence(i, rng.integers(0, 1000, p).tolist(), max_tokens=o, ignore_eos=True)
+                if not sched.add_request(seq):
+                    raise ValueError(f"request {i} ({p}+{o} tokens) can never fit: {seq.reject_reason}")
+            queue = queue[len(take):]
+        if not sched.has_unfinished():
+            t = max(t, arrivals[order[k]])  # idle: jump to the next arrival
+            continue
+        out = sched.schedule()
+        prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
+        t += cost(len(out.scheduled), prefill)
+        for s in out.scheduled:
+            computed[s.seq.seq_id] += s.num_new_tokens
+        sampled = {s.seq.seq_id: 0 for s in out.scheduled if s.samples}
+        sched.update(out, sampled)
+        for i in sampled:
+            token_times[i].append(t)
+        steps += 1
+    first = {i: tt[0] for i, tt in token_times.items()}
+    finish = {i: tt[-1] for i, tt in token_times.items()}
+    assert all(len(token_times[i]) == requests[i][1] for i in range(n)), "every request gets its output_len tokens"
+    recomputed = sum(c - (p + o - 1) for c, (p, o) in zip(computed, requests))
+    return {"arrival": list(arrivals), "first_token": first, "finish": finish, "token_times": token_times,
+            "preemptions": sched.num_preemptions, "recomputed_tokens": int(recomputed), "steps": steps,
+            "seconds": max(finish.values()) - min(arrivals)}
+
+
+def online_summary(sim: dict, requests: list[tuple[int, int]], rate: float, slo: dict,
+                   ids: list[int] | None = None) -> dict:
+    """TTFT, TPOT, the longest gap between two tokens, and goodput over the offered window
+    (``len(ids) / rate`` seconds, so goodput <= rate always) for ``ids`` (default: all)."""
+    ids = list(range(len(requests))) if ids is None else ids
+    ttft = [sim["first_token"][i] - sim["arrival"][i] for i in ids]
+    tpot = [(sim["finish"][i] - sim["first_token"][i]) / (requests[i][1] - 1) for i in ids if requests[i][1] > 1]
+    gaps = [b - a for i in ids for a, b in zip(sim["token_times"][i], sim["token_times"][i][1:])]
+    ok = sum(1 for i in ids if sim["first_token"][i] - sim["arrival"][i] <= slo["ttft_s"] and
+             (requests[i][1] <= 1 or (sim["finish"][i] - sim["first_token"][i]) / (requests[i][1] - 1) <= slo["tpot_s"]))
+    out_tokens = sum(requests[i][1] for i in ids)
+    return {"rate_per_s": rate, "num_requests": len(ids),
+            "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "tpot_p50_s": _pct(tpot, 50),
+            "tpot_p99_s": _pct(tpot, 99), "max_gap_s": max(gaps, default=0.0),
+            "goodput_req_per_s": ok * rate / len(ids), "slo_fraction": ok / len(ids),
+            "output_tokens_per_s": out_tokens / sim["seconds"], "preemptions": sim["preemptions"]}
 
 
 # -- the whole benchmark -------------------------------------------------------------------
