@@ -4,7 +4,8 @@
   scores not passed with its reason, honest learners pass, the broken files are reported and the
   others still graded, and no file outside the sandboxes changes (sha256 of every file before/after);
 - the wall-clock limit holds for a loop that ignores SIGINT and SIGTERM;
-- results are appended atomically, never through a symlink, formulas escaped; --resume; Ctrl-C;
+- results are appended atomically, never through a symlink, formulas escaped; --resume; Ctrl-C and
+  SIGTERM stop at once, every run's process tree killed, what is done kept;
 - the plan (which cells run) and the signed result channel, on their own.
 
 The graders run as subprocesses on a copy of the package, so that an attack that got through
@@ -257,6 +258,116 @@ def test_store_never_writes_through_a_symlink(tmp_path: Path) -> None:
     assert grading._escape_formula("-2") == "'-2" and grading._escape_formula("ok") == "ok"
 
 
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _run_tree(root: int) -> dict[int, str]:
+    """Every descendant of ``root`` now (bwrap's sandboxes and the runs in them too), pid: its start time."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        st = _stat(int(d)) if d.isdigit() else None
+        if st and st[0] not in "ZX":
+            kids.setdefault(int(st[1]), []).append(int(d))
+    tree, todo = {}, [root]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            st = _stat(c)
+            if st:
+                tree[c] = st[19]
+                todo.append(c)
+    return tree
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _survivors(tree: dict[int, str], marker: str) -> list[str]:
+    """Which of ``tree`` still runs (the same pid and start time, not a zombie), and any process whose command
+    line names ``marker`` (bwrap's names the class folder it hides), after up to 5 s for the kernel to reap."""
+    deadline = time.monotonic() + 5
+    while True:
+        alive = [pid for pid, start in tree.items() if (st := _stat(pid)) and st[0] not in "ZX" and st[19] == start]
+        alive += [int(d) for d in os.listdir("/proc") if d.isdigit() and int(d) not in tree
+                  and int(d) != os.getpid() and marker in _cmdline(int(d)) and (_stat(int(d)) or ["Z"])[0] not in "ZX"]
+        if not alive or time.monotonic() > deadline:
+            return [f"{pid}: {_cmdline(pid)[:200]}" for pid in alive]
+        time.sleep(0.2)
+
+
+def _start_grading(cls: Path, out: Path, pkg: Path, *flags: str) -> subprocess.Popen:
+    # An earlier test in the same session may leave SIGINT ignored in this process, and a child
+    # inherits that: give the grader the default disposition a terminal would.
+    def defaults() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+    # As on an instructor's machine: numpy's OpenBLAS starts a thread when minipaged is imported, before the
+    # grader can block any signal (conftest.py sets 1 thread, which starts none). The kernel may hand a
+    # SIGTERM to that thread: it must stop the grader cleanly too, never kill it with its runs left behind.
+    env = dict(_env(pkg), OPENBLAS_NUM_THREADS="2")
+    return subprocess.Popen([sys.executable, "-m", "minipaged.checks.grading", str(cls), *flags], cwd=out,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=defaults)
+
+
+def _is_harness(pid: int) -> bool:
+    """A run's interpreter (bwrap's own command line names the harness too)."""
+    cmd = _cmdline(pid)
+    return cmd.startswith(sys.executable + " ") and "harness.py" in cmd
+
+
+def _wait_for_loops(proc: subprocess.Popen, out: Path, loops: int) -> dict[int, str]:
+    """Once the first learner's rows are written and ``loops`` runs are in their endless loop: the grader's tree."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not ((out / "grades.jsonl").exists() and _rows(out / "grades.jsonl")):
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.5)
+    while time.monotonic() < deadline:
+        tree = _run_tree(proc.pid)
+        if sum(_is_harness(pid) for pid in tree) >= loops:
+            break
+        time.sleep(0.3)
+    time.sleep(3)  # past the model-free setup: in the loop now
+    tree = _run_tree(proc.pid)
+    assert sum(_is_harness(pid) for pid in tree) >= loops, [_cmdline(p) for p in tree]
+    return tree
+
+
+def _stopped_cleanly(proc: subprocess.Popen, out: Path, tree: dict[int, str], sig: int, marker: str) -> str:
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output = proc.communicate()[0]
+        pytest.fail(f"the grader was still running 60 s after {signal.Signals(sig).name}:\n{output}")
+    elapsed = time.monotonic() - t0
+    left = _survivors(tree, marker)
+    for line in left:  # never leave them to the next test, whatever fails below
+        try:
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        except OSError:
+            pass
+    assert proc.returncode == 128 + sig, output
+    assert not left, f"processes of the run outlived the grader: {left}"
+    # the runs are killed at once, no grace (the interpreter's own exit takes a few seconds on busy cores)
+    assert elapsed < 15, f"the grader took {elapsed:.1f} s to stop after {signal.Signals(sig).name}:\n{output}"
+    last = output.strip().splitlines()[-1]
+    assert f"interrupted by {signal.Signals(sig).name}" in last and "--resume" in last, output
+    assert not list(out.glob(".*.tmp")), "a temp file was left behind"
+    return output
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_keeps_what_is_done(tmp_path: Path) -> None:
     pkg = _copy_package(tmp_path / "pkg")
@@ -267,21 +378,43 @@ def test_ctrl_c_stops_cleanly_and_keeps_what_is_done(tmp_path: Path) -> None:
     nbformat.write(nb, cls / "b_slow" / "01_kv_cache_math.ipynb")
     out = tmp_path / "out"
     out.mkdir()
-    # An earlier test in the same session may leave SIGINT ignored in this process, and a child
-    # inherits that: give the grader the default disposition a terminal would.
-    proc = subprocess.Popen([sys.executable, "-m", "minipaged.checks.grading", str(cls), "--jobs", "1", "--no-sandbox"],
-                            cwd=out, env=_env(pkg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not ((out / "grades.jsonl").exists() and _rows(out / "grades.jsonl")):
-        time.sleep(0.5)
-    time.sleep(2)  # b_slow is now in its loop
-    proc.send_signal(signal.SIGINT)
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, output
+    proc = _start_grading(cls, out, pkg, "--jobs", "1", "--no-sandbox")
+    tree = _wait_for_loops(proc, out, 1)  # b_slow is now in its loop
+    output = _stopped_cleanly(proc, out, tree, signal.SIGINT, str(cls))
     rows = _rows(out / "grades.jsonl")
     assert {r["learner"] for r in rows} == {"a_first"} and all(r["result"] == "pass" for r in rows), rows
-    assert "--resume" in output
+    assert len(list(csv.reader((out / "grades.csv").open(encoding="utf-8")))) == len(rows) + 1
+    # --resume, as the last line says, grades what the interrupted run did not
+    assert "--no-sandbox" in output.strip().splitlines()[-1]
+    shutil.copy(ROOT / "solutions" / "01_kv_cache_math.ipynb", cls / "b_slow")
+    rc, output = _grade(pkg, out, str(cls), "--no-sandbox", "--resume")
+    assert rc == 0 and "1 submission(s) graded already, 1 to go" in output, output
+    rows = _rows(out / "grades.jsonl")
+    assert {r["learner"] for r in rows} == {"a_first", "b_slow"} and all(r["result"] == "pass" for r in rows), rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [pytest.param(("--no-sandbox",), id="no-sandbox"),
+                                   pytest.param((), id="bwrap", marks=pytest.mark.skipif(not HAVE_BWRAP, reason=NO_BWRAP))])
+def test_sigterm_stops_every_run_at_once_and_keeps_what_is_done(tmp_path: Path, flags: tuple) -> None:
+    """A CI job's SIGTERM while two runs loop (ignoring SIGTERM themselves): the grader stops within seconds,
+    every run's process tree (bwrap's too) is gone, the rows written stay whole, exit status 143."""
+    pkg = _copy_package(tmp_path / "pkg")
+    cls = _small_class(tmp_path, {"a_first": "solutions"})
+    nb = nbformat.read(ROOT / "solutions" / "01_kv_cache_math.ipynb", as_version=4)
+    make_class._insert_after_answer(nb, "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                                        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True:\n    pass")
+    for name in ("b_loop", "c_loop", "d_loop"):
+        (cls / name).mkdir()
+        nbformat.write(nb, cls / name / "01_kv_cache_math.ipynb")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _start_grading(cls, out, pkg, "--jobs", "2", "--timeout", "300", *flags)
+    tree = _wait_for_loops(proc, out, 2)
+    _stopped_cleanly(proc, out, tree, signal.SIGTERM, str(cls))
+    rows = _rows(out / "grades.jsonl")
+    assert {r["learner"] for r in rows} == {"a_first"} and all(r["result"] == "pass" for r in rows), rows
+    assert len(list(csv.reader((out / "grades.csv").open(encoding="utf-8")))) == len(rows) + 1
 
 
 # -- the plan and the channel, without running anything -----------------------------------------

@@ -26,9 +26,10 @@ a genuine verdict has not passed. One scoreboard line per learner, workbook and 
 
 After each submission the rows are appended to the CSV and JSON-lines files (default
 ``grades.csv`` and ``grades.jsonl``), each rewritten atomically; ``--resume`` continues a run
-from the JSON-lines file; Ctrl-C stops, keeping what is done. Exit status: 0 when every check
-passed (or skipped), 1 otherwise, 2 when nothing could be graded, 3 when the grader stopped
-because the installed checks changed, 130 after Ctrl-C.
+from the JSON-lines file; Ctrl-C (SIGINT) or SIGTERM stops at once: every run in progress is killed
+with its whole process tree, what is done is kept, and the last line says how to continue. Exit
+status: 0 when every check passed (or skipped), 1 otherwise, 2 when nothing could be graded, 3 when
+the grader stopped because the installed checks changed, 130 after SIGINT, 143 after SIGTERM.
 """
 from __future__ import annotations
 
@@ -335,6 +336,8 @@ def grade_submission(sub: Submission, settings: Settings, siblings: list[Submiss
     def row(check: str, result: str, message: str) -> Row:
         return Row(sub.learner, sub.workbook, check, result, message, str(sub.path), digest)
 
+    if stop is not None and stop.is_set():  # picked up while the grader stops: never started
+        return [row("(run)", "FAIL", "not graded: the grader was interrupted (run again with --resume)")]
     if sub.workbook not in WORKBOOKS:
         return [row("(file)", "broken", f"not one of the course's workbooks ({', '.join(WORKBOOKS)}): rename the file "
                                         "so that its name holds the workbook's, e.g. 02_block_allocator.ipynb")]
@@ -625,6 +628,15 @@ def run(args: argparse.Namespace) -> int:
         p.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.timeout <= 0 or args.memory <= 0:
         p.error("--timeout and --memory must be positive")
+    signals = _Signals()
+    signals.install()  # from here a kill from the terminal stops the grader cleanly; one from a learner's run is ignored
+    try:
+        return _run(args, p, signals)
+    finally:
+        signals.uninstall()
+
+
+def _run(args: argparse.Namespace, p: argparse.ArgumentParser, signals: "_Signals") -> int:
     exercises = Path(args.exercises) if args.exercises else default_exercises()
     if exercises is None or not all((exercises / f"{w}.ipynb").is_file() for w in WORKBOOKS):
         print(f"minipaged grade: error: the pristine exercises are not at {exercises or '(no folder found)'}: give "
@@ -682,18 +694,15 @@ def run(args: argparse.Namespace) -> int:
               "(util-linux) and a Python that every user can read to run learners unprivileged", file=sys.stderr)
     package_digest = tree_digest(_PACKAGE)
     stop = threading.Event()
-
-    interrupted = threading.Event()
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "sigwaitinfo"):
-        _watch_signals(interrupted)  # a kill from the terminal stops like Ctrl-C; one from a learner's run is ignored
     progress = Progress(len(todo))
     aborted = ""
     pool = cf.ThreadPoolExecutor(max_workers=args.jobs)
     try:
         futures = {}
-        for s in todo:
-            futures[pool.submit(_timed, grade_submission, s, settings, siblings, stop)] = s
-        for fut in _completed(futures, interrupted):
+        if signals.poll(0) is None:  # a signal while the grader was starting: start no run
+            for s in todo:
+                futures[pool.submit(_timed, grade_submission, s, settings, siblings, stop)] = s
+        for fut in _completed(futures, signals):
             s = futures[fut]
             try:
                 graded, wall = fut.result()
@@ -714,14 +723,18 @@ def run(args: argparse.Namespace) -> int:
                 break
             store.append(graded)
             progress.update(s, graded, wall)
-    except KeyboardInterrupt:
-        stop.set()
+    except (_Interrupted, KeyboardInterrupt) as e:  # KeyboardInterrupt: Ctrl-C where signals are not waited for
+        stop.set()  # each run in progress is killed with its whole tree within a fraction of a second
+        pool.shutdown(wait=False, cancel_futures=True)  # the ones not started never start
         progress.close()
-        print(f"\ninterrupted: {progress.done} of {len(todo)} graded and kept in {csv_path} and {jsonl_path}; "
-              "stopping the runs in progress ...", file=sys.stderr)
-        pool.shutdown(wait=True, cancel_futures=True)
-        print(f"stopped. Continue with: minipaged grade {' '.join(args.paths)} --csv {csv_path} --resume", file=sys.stderr)
-        return 130
+        signum = getattr(e, "signum", signal.SIGINT)
+        name = signal.Signals(signum).name
+        print(f"\n{name} received: stopping the runs in progress ...", file=sys.stderr, flush=True)
+        pool.shutdown(wait=True)
+        print(f"interrupted by {name}: {progress.done} of {len(todo)} submission(s) graded this time, kept in "
+              f"{csv_path} and {jsonl_path}; the others were not graded. Continue with: {_resume_command(args)}",
+              file=sys.stderr, flush=True)
+        return 128 + signum
     except GradingError as e:
         stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
@@ -744,32 +757,97 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
-def _completed(futures, interrupted: threading.Event):
-    """cf.as_completed, that raises KeyboardInterrupt when the signal watcher says so."""
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _completed(futures, signals: "_Signals"):
+    """cf.as_completed, that raises _Interrupted when SIGINT or SIGTERM came from outside the runs."""
     pending = set(futures)
-    while pending:
-        done, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
-        if interrupted.is_set():
-            raise KeyboardInterrupt
+    while True:
+        signum = signals.poll(0.2 if pending else 0)
+        if signum is not None:
+            raise _Interrupted(signum)
+        if not pending:
+            return
+        done, pending = cf.wait(pending, timeout=0 if signals.waits else 0.2, return_when=cf.FIRST_COMPLETED)
         yield from done
 
 
-def _watch_signals(interrupted: threading.Event) -> None:
-    """SIGINT and SIGTERM, read by a thread with their sender: one sent by a learner's run (its session,
-    alive or gone) is reported and ignored; any other sender (Ctrl-C, `kill`) stops the grader."""
-    wanted = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, wanted)  # before any other thread starts: they inherit it
+_STOPPING = (signal.SIGINT, signal.SIGTERM)
 
-    def watch() -> None:
-        while True:
-            info = signal.sigwaitinfo(wanted)
+
+class _Signals:
+    """SIGINT and SIGTERM while grading, read with their sender where the kernel says who sent them.
+
+    The main thread blocks both (every thread it starts inherits that) and waits for them with sigtimedwait
+    between results: the kernel gives a process's signal to its main thread first when that thread waits for
+    it, so the sender is known. One sent by a learner's run (its session, alive or gone) is reported and
+    ignored; any other (Ctrl-C, `kill`, a CI job's SIGTERM) stops the grader. Threads started before the
+    grader ran (numpy's OpenBLAS starts one when minipaged is imported) do not block them: a signal that the
+    kernel hands to one of those, while the main thread is busy, reaches the handler installed here, with no
+    sender; it stops the grader too, never kills it half way."""
+
+    def __init__(self) -> None:
+        self.waits = False  # the main thread blocks them and waits for them (Linux)
+        self._signum: int | None = None
+        self._old: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # graded from another thread (a test): its caller handles signals
+        for s in _STOPPING:
+            self._old[s] = signal.signal(s, self._caught)
+        if hasattr(signal, "sigtimedwait") and hasattr(signal, "pthread_sigmask"):  # not on macOS: handlers only
+            signal.pthread_sigmask(signal.SIG_BLOCK, _STOPPING)
+            self.waits = True
+
+    def uninstall(self) -> None:
+        if self.waits:
+            self.waits = False
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPPING)  # a second Ctrl-C still pending lands in _caught
+        for s, old in self._old.items():
+            signal.signal(s, old if old is not None else signal.SIG_DFL)
+        self._old = {}
+
+    def _caught(self, signum, frame) -> None:
+        if self._signum is None:
+            self._signum = signum
+
+    def poll(self, timeout: float) -> int | None:
+        """The signal that stops the grader, waiting for it up to ``timeout`` seconds; None when none came."""
+        if self._signum is not None or not self.waits:
+            return self._signum
+        deadline = time.monotonic() + timeout
+        while self._signum is None:
+            info = signal.sigtimedwait(_STOPPING, max(0.0, deadline - time.monotonic()))
+            if info is None:
+                break
             if info.si_pid and sandbox.sent_by_a_run(info.si_pid):
                 print(f"\nignored signal {info.si_signo} sent by a learner's run (process {info.si_pid})", file=sys.stderr)
                 continue
-            interrupted.set()
-            return
+            self._signum = info.si_signo
+        return self._signum
 
-    threading.Thread(target=watch, daemon=True, name="minipaged-grade-signals").start()
+
+def _resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues this run (the same files and options, with --resume)."""
+    import shlex
+
+    cmd = ["minipaged", "grade", *args.paths, "--csv", str(args.csv)]
+    if args.jsonl:
+        cmd += ["--jsonl", str(args.jsonl)]
+    if args.exercises:
+        cmd += ["--exercises", str(args.exercises)]
+    if args.timeout != 900:
+        cmd += ["--timeout", f"{args.timeout:g}"]
+    if args.memory != 4:
+        cmd += ["--memory", f"{args.memory:g}"]
+    if args.no_sandbox:
+        cmd.append("--no-sandbox")
+    return shlex.join(cmd + ["--resume"])
 
 
 def _timed(fn, *args):

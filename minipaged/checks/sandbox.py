@@ -333,12 +333,21 @@ def run(job: bytes, workdir: Path, *, use_bwrap: bool, limits: Limits, hide: lis
         pass
     timed_out = False
     deadline = t0 + limits.wall_s
+    stopped = False
     while True:
         try:
             proc.wait(timeout=0.2)
             break
         except subprocess.TimeoutExpired:
-            if time.monotonic() > deadline or (stop is not None and stop.is_set()):
+            if stop is not None and stop.is_set():  # the grader is stopping: no grace, the run is graded again later
+                timed_out = stopped = True
+                _end_group(proc.pid)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+                break
+            if time.monotonic() > deadline:
                 timed_out = True
                 _kill_group(proc, limits.grace_s)
                 break
@@ -347,9 +356,10 @@ def run(job: bytes, workdir: Path, *, use_bwrap: bool, limits: Limits, hide: lis
                 _end_group(proc.pid)
                 proc.wait()
                 break
-    _end_group(proc.pid)  # what the run left behind in its session (a forked child) ends with it
-    for t in readers:
-        t.join(timeout=limits.grace_s + 5)
+    # what the run left behind in its session (a forked child) ends with it
+    _end_group(proc.pid, reaped=proc.returncode is not None)
+    for t in readers:  # the whole tree is gone: the pipes close at once (a reader is a daemon thread either way)
+        t.join(timeout=2 if stopped else limits.grace_s + 5)
     if proc.poll() is None:  # a reader still blocked: something in the group kept a pipe open
         _kill_group(proc, 0)
     _RUNS_NOW.discard(proc.pid)
@@ -365,9 +375,11 @@ def run(job: bytes, workdir: Path, *, use_bwrap: bool, limits: Limits, hide: lis
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def session_rss(sid: int) -> int:
-    """Resident bytes of the run's whole process tree: every descendant of ``sid`` (bwrap's namespaces included,
-    whatever session they moved to) and every process still in session ``sid`` (an orphaned fork)."""
+def _run_tree(sid: int, *, reaped: bool = False) -> set[int]:
+    """The run's whole process tree, zombies left out: every descendant of ``sid`` (bwrap's namespaces included,
+    whatever session they moved to) and every process still in session ``sid`` (an orphaned fork), with their
+    descendants; never this process. ``reaped``: the run's own process was waited for, so its pid may be another
+    process's now: only the session's members count then."""
     parent: dict[int, int] = {}
     session: set[int] = set()
     for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
@@ -376,6 +388,8 @@ def session_rss(sid: int) -> int:
         try:
             with open(f"/proc/{d}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+            if fields[0] in (b"Z", b"X"):  # dead already: nothing to kill, no memory held
+                continue
             parent[int(d)] = int(fields[1])
             if int(fields[3]) == sid:
                 session.add(int(d))
@@ -384,7 +398,7 @@ def session_rss(sid: int) -> int:
     children: dict[int, list[int]] = {}
     for pid, ppid in parent.items():
         children.setdefault(ppid, []).append(pid)
-    tree = session | {sid}
+    tree = session if reaped else session | {sid}
     todo = list(tree)
     while todo:
         for c in children.get(todo.pop(), []):
@@ -392,8 +406,13 @@ def session_rss(sid: int) -> int:
                 tree.add(c)
                 todo.append(c)
     tree.discard(os.getpid())
+    return tree
+
+
+def session_rss(sid: int) -> int:
+    """Resident bytes of the run's whole process tree (see _run_tree)."""
     total = 0
-    for pid in tree:
+    for pid in _run_tree(sid):
         try:
             with open(f"/proc/{pid}/statm", "rb") as f:
                 total += int(f.read().split()[1]) * _PAGE
@@ -402,19 +421,24 @@ def session_rss(sid: int) -> int:
     return total
 
 
-def _end_group(sid: int) -> None:
-    """SIGKILL every process of the session ``sid`` (the run's), whatever group it moved to."""
-    try:
-        os.killpg(sid, signal.SIGKILL)
-    except OSError:
-        pass
-    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if d.isdigit():
+def _end_group(sid: int, *, reaped: bool = False) -> None:
+    """SIGKILL the run's whole tree: its process group, every process of its session ``sid`` whatever group it
+    moved to, and every descendant whatever session it moved to (bwrap's sandbox, a setsid() child). The tree is
+    read before anything is killed (a child killed after its parent would no longer be found by its parent), and
+    read again until nothing is left (a fork between the read and the kill)."""
+    for _ in range(5):
+        tree = _run_tree(sid, reaped=reaped) if os.path.isdir("/proc") else set()
+        try:
+            os.killpg(sid, signal.SIGKILL)
+        except OSError:
+            pass
+        for pid in tree:
             try:
-                if os.getsid(int(d)) == sid and int(d) != os.getpid():
-                    os.kill(int(d), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        if not tree - {sid}:
+            return
 
 
 def _kill_group(proc: subprocess.Popen, grace: float) -> None:
