@@ -31,8 +31,10 @@ LESSONS = [
     "09_serving",
     "10_where_paging_pays",  # helper-1's lesson
     "11_beyond_one_device",
+    "12_speculative_decoding",
 ]
-# The workbook each lesson points to at its end (00 has none; 05's is the Triton kernel workbook).
+# The workbook each lesson points to at its end (00 has none; 05's is the Triton kernel workbook; lessons 09-11
+# have none, and lesson 12's is workbook 09).
 WORKBOOK = {
     "01_kv_cache": "01_kv_cache_math",
     "02_block_allocator": "02_block_allocator",
@@ -42,6 +44,7 @@ WORKBOOK = {
     "06_continuous_batching": "06_scheduler",
     "07_whole_engine": "07_assemble",
     "08_prefix_caching_and_sharing": "08_prefix_caching",
+    "12_speculative_decoding": "09_speculative_decoding",
 }
 MAX_CELL_LINES = 30
 
@@ -186,11 +189,15 @@ ASSERTED = {
     "05_triton_kernel": ["err < 1e-4", "triton_answer.token_ids == torch_answer.token_ids", '"Paris" in torch_answer',
                          "c_answer.token_ids == torch_answer.token_ids"],
     "06_continuous_batching": ['{"model+sampler"}', "len(set(seats.values())) == 1", 'len(runs["static_paged"].trace) ==',
-                               'top["continuous_paged"]["ttft_p50_s"] <'],
+                               'co["ttft_p50_s"] <= st["ttft_p50_s"]', 'd["goodput_req_per_s"] <= d["rate_per_s"]',
+                               'all(x <= y for x, y in zip(gap, gap[1:]))', 'tight["preemptions"] > roomy["preemptions"]'],
     "07_whole_engine": ['{"model+sampler"}', 'rows[64]["tokens_per_s"] > 4', '["tokens_per_s"] > 2 *', "body == {want}",
                         'fits["float16"] < fits["fp8"] < fits["int4"]'],
     "11_beyond_one_device": ["[s.heads for s in shards] ==", 'ar["bytes"] ==', "one == two", '["all_reduce_bytes_per_token"]',
                              'room["llama-2-70b", 1] == 0'],
+    "12_speculative_decoding": ["verify_cost < (K + 1) / 2", 'tv["accept_point_mass"] < 0.02', "given_back == [written[-1]]",
+                                'runs[w, True]["tokens"] == runs[w, False]["tokens"]',
+                                'rep["acceptance_rate"] > new.get("acceptance_rate"', "speedup(1, 0.9) > 1.5"],
 }
 
 # A cell draws a figure when it calls one of these; its stored output must then hold the picture
@@ -210,7 +217,7 @@ def test_every_figure_is_shown(name):
 # The lessons that measure speed say which route ran (the plan), and the batching experiments run
 # the plain route, so their ratios do not depend on the learner's CPU features.
 PLAN_PRINTED = {"00_setup_and_tour": "print(llm.engine.plan)", "06_continuous_batching": "engine.plan",
-                "07_whole_engine": "print(eng.plan)"}
+                "07_whole_engine": "print(eng.plan)", "12_speculative_decoding": "print(llm.engine.plan)"}
 
 
 @pytest.mark.parametrize("name", sorted(PLAN_PRINTED))
