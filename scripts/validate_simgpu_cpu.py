@@ -10,14 +10,19 @@ was not fitted on, and each prediction is compared with the measurement:
 - the decode step time at the other batches (1..64);
 - the throughput of a small offline workload (requests of mixed lengths, all at once), both
   replayed (the cost model on the engine's own steps) and simulated (minipaged's scheduler and
-  block pool on the simulated clock, no model: what ``bench paper`` does on a GPU).
+  block pool on the simulated clock, no model: what ``bench paper`` does on a GPU);
+- the throughput of every cell of the README's factorial bench (``minipaged bench``: naive and
+  {contiguous, paged} x {static, continuous}), run here on the plain route at the bench's
+  ``--quick`` sizes, against the same workload and engine settings served by the simulator's
+  reservation policies (contiguous: the longest request reserved from admission; static: no
+  refill) on the same calibration (``--skip-factorial`` leaves it out).
 
 The target is within 25% (issue 24). The logic is minipaged/bench/gpu/validate.py.
 
 Run on a quiet machine (other work on the cores shows up as error):
 
-    python scripts/validate_simgpu_cpu.py            # a few minutes; writes docs/figures/simgpu_cpu_validation.json
-    python scripts/validate_simgpu_cpu.py --quick    # about a minute, a smoke run: writes nothing unless --json
+    python scripts/validate_simgpu_cpu.py            # about 5 minutes; writes docs/figures/simgpu_cpu_validation.json
+    python scripts/validate_simgpu_cpu.py --quick    # a minute or two, a smoke run: writes nothing unless --json
 
 Exit status: 0 within the target, 1 outside it.
 """
@@ -36,20 +41,29 @@ DEFAULT_JSON = ROOT / "docs" / "figures" / "simgpu_cpu_validation.json"
 
 FULL = {"calibration_batches": [1, 16], "validation_batches": [2, 4, 8, 32, 64], "prompt_len": 64, "decode_steps": 12,
         "prefill_tokens": [256, 512], "prefill_repeats": 3, "workload": 32, "workload_prompt": (16, 192),
-        "workload_output": (16, 96), "bandwidth_mib": 256, "gemm_repeats": 8}
+        "workload_output": (16, 96), "bandwidth_mib": 256, "gemm_repeats": 8,
+        # the factorial bench at its own --quick sizes (serving.QUICK: 32 ShareGPT-like requests, a KV budget of
+        # 16 contiguous reservations, naive on 4 of them); roofline batches: the bench's machine table, unused here
+        "factorial": {"quick": True}, "factorial_roofline_batches": (1, 16)}
 QUICK = {"calibration_batches": [1, 8], "validation_batches": [4, 16], "prompt_len": 16, "decode_steps": 4,
          "prefill_tokens": [256], "prefill_repeats": 1, "workload": 8, "workload_prompt": (8, 48),
-         "workload_output": (4, 16), "bandwidth_mib": 64, "gemm_repeats": 3}
+         "workload_output": (4, 16), "bandwidth_mib": 64, "gemm_repeats": 3,
+         "factorial": {"quick": True, "num_requests": 8, "static_batch": 4, "max_output": 32, "naive_requests": 2,
+                       "prompt_scale": 0.5},
+         "factorial_roofline_batches": (1,)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes: checks that it runs end to end (about a minute)")
+    ap.add_argument("--quick", action="store_true",
+                    help="small sizes: checks that it runs end to end (a minute or two on quiet cores)")
     ap.add_argument("--json", type=Path, default=None,
                     help=f"where to write the result (default: {DEFAULT_JSON.relative_to(ROOT)} for a full run; "
                          "a --quick run writes only where this says)")
     ap.add_argument("--model", default=None, help="a model path (default: the course's SmolLM2-135M)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-factorial", action="store_true",
+                    help="leave out the factorial bench (minipaged bench's cells, measured and predicted)")
     a = ap.parse_args(argv)
     s = QUICK if a.quick else FULL
     out_path = a.json if a.json is not None else (None if a.quick else DEFAULT_JSON)
@@ -90,12 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     measured, samples = v.measure_workload(eng, reqs, seed=a.seed)
     print(f"  workload: {len(reqs)} requests in {measured['seconds']:.2f} s, {measured['steps']} steps", flush=True)
 
-    res = v.compare(machine, model, cal_dec, cal_pre, val_dec, reqs, measured, samples, shape)
+    factorial = None
+    if not a.skip_factorial:
+        t1 = time.perf_counter()
+        setup, bench = v.measure_factorial(eng.model, s["factorial"], seed=a.seed,
+                                           roofline_batches=s["factorial_roofline_batches"])
+        factorial = (setup, v.measured_cells(bench))
+        print(f"  factorial bench: {len(setup.requests)} requests, {', '.join(factorial[1])} in "
+              f"{time.perf_counter() - t1:.0f} s", flush=True)
+
+    res = v.compare(machine, model, cal_dec, cal_pre, val_dec, reqs, measured, samples, shape, factorial=factorial)
+    cmd = " ".join(["python scripts/validate_simgpu_cpu.py"] + (["--quick"] if a.quick else [])
+                   + (["--skip-factorial"] if a.skip_factorial else []))
     res["settings"] = {**s, "quick": a.quick, "seed": a.seed, "engine": shape.engine_kwargs(), "fast_paths": False,
                        "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "machine": platform.machine(),
                        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
                        "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 1),
-                       "command": "python scripts/validate_simgpu_cpu.py" + (" --quick" if a.quick else "")}
+                       "skip_factorial": a.skip_factorial, "command": cmd}
     print(v.format_report(res))
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -117,8 +117,15 @@ def test_each_reservation_policy_reserves_what_the_paper_says():
     assert Reservation("pow2").tokens(100, 25, 2048) == 132  # the paper's example: 25 -> 32 positions
     assert Reservation("pow2").tokens(1500, 1000, 2048) == 2048  # never past the model's context
     assert Reservation("oracle").tokens(100, 25, 2048) == 125
+    assert Reservation("peak").tokens(100, 25, 2048) == 124  # the last token sampled is never written
+    # minipaged bench's reservations come in whole blocks
+    assert Reservation("max", block_size=16).tokens(100, 25, 478) == 480
+    assert Reservation("peak", block_size=16).tokens(100, 25, 2048) == 128
+    assert Reservation("peak", block_size=16).tokens(100, 29, 2048) == 128  # 128 slots: exactly 8 blocks
     with pytest.raises(ValueError):
         Reservation("half").tokens(1, 1, 8)
+    with pytest.raises(ValueError, match="block_size"):
+        Reservation("max", block_size=0).tokens(1, 1, 8)
 
 
 def test_contiguous_spans_leave_holes_a_larger_request_cannot_use():
@@ -426,6 +433,47 @@ def test_the_validation_measures_the_engine_and_the_simulated_scheduler_takes_th
     assert sim["steps"] == measured["steps"] and sim["output_tokens"] == measured["output_tokens"]
 
 
+def test_each_factorial_cell_simulated_completes_the_benchs_requests_in_the_engines_steps(tiny_model):
+    """minipaged bench's factorial on the tiny model (plain route; no time is asserted) against its
+    cells served by the simulator's policies: the same setup as the bench ran (checked), the same
+    requests completed, and, the workload being deterministic (EOS ignored, lengths fixed), the
+    same number of steps, the same largest batch and the same preemptions in every cell."""
+    from minipaged.bench.gpu.validate import (FACTORIAL_CELLS, Sample, check_setup, compare, compare_factorial,
+                                              cost_model, factorial_scheduler, format_report, machine_spec,
+                                              measure_factorial, measured_cells, model_spec_of)
+    from minipaged.bench.gpu.policies import ReservingScheduler
+
+    model, _ = tiny_model
+    kw = dict(quick=True, num_requests=12, static_batch=3, max_output=24, naive_requests=3, prompt_scale=0.3)
+    setup, bench = measure_factorial(model, kw, roofline_batches=(1,))
+    assert setup.num_blocks == bench["kv_budget"]["blocks"] and len(setup.naive_served) == 3
+    measured = measured_cells(bench)
+    assert tuple(measured) == FACTORIAL_CELLS
+    assert isinstance(factorial_scheduler("static_contiguous", setup), ReservingScheduler)
+    machine, spec = machine_spec(5e9, 20e9), model_spec_of(model)
+    fac = compare_factorial(cost_model(machine, spec, Calibration(1.0, 1.0, 1e-3, 1e-4)), setup, measured)
+    for cell, c in fac["cells"].items():
+        assert c["same_requests_completed"], cell
+        assert c["same_steps_as_engine"], (cell, c["measured"]["steps"], c["predicted"]["steps"])
+        assert c["predicted"]["peak_batch"] == c["measured"]["peak_batch"], cell
+        assert c["predicted"]["preemptions"] == c["measured"]["preemptions"], cell
+        assert c["predicted"]["tokens_per_s"] > 0 and math.isfinite(c["error"])
+    cells = fac["cells"]
+    assert cells["naive"]["predicted"]["peak_batch"] == 1
+    # the budget holds 3 contiguous reservations: both contiguous cells batch 3, paging batches more
+    assert cells["static_contiguous"]["predicted"]["peak_batch"] == 3
+    assert cells["continuous_contiguous"]["predicted"]["peak_batch"] == 3
+    assert cells["continuous_paged"]["predicted"]["peak_batch"] > 3
+    # a bench run on another workload is refused, not compared
+    with pytest.raises(RuntimeError, match="another workload"):
+        check_setup(setup, dict(bench, kv_budget=dict(bench["kv_budget"], blocks=setup.num_blocks + 1)))
+    # the whole comparison carries the cells into the verdict and the report
+    res = compare(machine, spec, [Sample(((10, 1),), 1e-3)], [], [], factorial=(setup, measured))
+    assert set(res["factorial"]["cells"]) == set(FACTORIAL_CELLS)
+    assert res["worst_validation_error"] == pytest.approx(res["factorial"]["worst_error"])
+    assert "continuous_paged" in format_report(res) and "worst cell error" in format_report(res)
+
+
 def test_the_validation_script_has_a_quick_mode_that_writes_only_where_told():
     import importlib.util
     from pathlib import Path
@@ -438,5 +486,6 @@ def test_the_validation_script_has_a_quick_mode_that_writes_only_where_told():
     assert set(mod.QUICK) == set(mod.FULL)
     assert not set(mod.FULL["calibration_batches"]) & set(mod.FULL["validation_batches"])  # predicted, not fitted
     assert not set(mod.QUICK["calibration_batches"]) & set(mod.QUICK["validation_batches"])
+    assert mod.FULL["factorial"] == {"quick": True}  # the bench's own --quick sizes, nothing else changed
     with pytest.raises(SystemExit):
         mod.main(["--help"])

@@ -41,19 +41,33 @@ def next_pow2(n: int) -> int:
 @dataclass(frozen=True)
 class Reservation:
     """How many KV token slots a request of ``prompt`` tokens and ``output`` tokens holds for
-    its whole life under policy ``kind`` (``max``, ``pow2`` or ``oracle``), on a model whose
-    sequences stop at ``max_len`` tokens."""
+    its whole life under policy ``kind`` (``max``, ``pow2``, ``oracle`` or ``peak``), on a model
+    whose sequences stop at ``max_len`` tokens.
+
+    ``peak`` is what a paged request holds at its largest, ``prompt + output - 1`` slots (the
+    last token sampled is never fed back, so its K and V are never written): the size by which
+    ``minipaged bench``'s static paged batches are formed, so that a batch never preempts.
+    ``block_size``: reservations come in whole blocks of this many slots (1, the default: slot
+    exact, as the paper's contiguous spans; ``minipaged bench``'s contiguous block tables
+    reserve whole blocks)."""
 
     kind: str
+    block_size: int = 1
 
     def tokens(self, prompt: int, output: int, max_len: int) -> int:
         if self.kind == "max":
-            return max_len
-        if self.kind == "pow2":
-            return min(max_len, prompt + next_pow2(output))
-        if self.kind == "oracle":
-            return min(max_len, prompt + output)
-        raise ValueError(f"unknown reservation {self.kind!r}: max, pow2 or oracle")
+            n = max_len
+        elif self.kind == "pow2":
+            n = min(max_len, prompt + next_pow2(output))
+        elif self.kind == "oracle":
+            n = min(max_len, prompt + output)
+        elif self.kind == "peak":
+            n = min(max_len, prompt + output - 1)
+        else:
+            raise ValueError(f"unknown reservation {self.kind!r}: max, pow2, oracle or peak")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        return -(-n // self.block_size) * self.block_size
 
 
 @dataclass(frozen=True)

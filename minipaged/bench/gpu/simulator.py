@@ -50,13 +50,15 @@ class SimResult:
 def build_scheduler(system: str | System, kv_tokens: int, block_size: int = 16, max_len: int = 2048,
                     max_num_seqs: int = MAX_NUM_SEQS, max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
                     allocator_cls: type = BlockAllocator, block_table_cls: type = BlockTable,
-                    scheduler_cls: type = Scheduler, placement: str | None = "buddy") -> Any:
+                    scheduler_cls: type = Scheduler, placement: str | None = "buddy",
+                    max_batch: int | None = None) -> Any:
     """The parts for ``system`` over a KV cache of ``kv_tokens`` token slots.
 
     vLLM: the scheduler over a pool of ``kv_tokens // block_size`` blocks. A baseline: the same
     scheduler over that pool plus one spare block per sequence (so block rounding never binds),
     wrapped in a :class:`ReservingScheduler` holding ``kv_tokens`` of reservations, placed by
-    ``placement`` (``buddy``: the paper's assumption for Orca; ``first_fit``; None: anywhere).
+    ``placement`` (``buddy``: the paper's assumption for Orca; ``first_fit``; None: anywhere);
+    ``max_batch``: the most requests a static batch takes at once (None: as many as fit).
     """
     s = SYSTEMS[system] if isinstance(system, str) else system
     num_blocks = kv_tokens // block_size
@@ -70,7 +72,8 @@ def build_scheduler(system: str | System, kv_tokens: int, block_size: int = 16, 
     inner = make_scheduler(scheduler_cls, allocator_cls(num_blocks, block_size), block_table_cls, config)
     if s.reservation is None:
         return inner
-    return ReservingScheduler(inner, s.reservation, kv_tokens, max_len, static=s.static, placement=placement)
+    return ReservingScheduler(inner, s.reservation, kv_tokens, max_len, static=s.static, max_batch=max_batch,
+                              placement=placement)
 
 
 class LengthStop:

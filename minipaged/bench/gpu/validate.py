@@ -12,11 +12,18 @@ shape from its own config, fp32 weights and KV (the plain route, ``fast_paths=Fa
    throughput of a small offline workload, both replayed step by step (the cost model alone,
    on the engine's own steps) and simulated (the real scheduler on the simulated clock,
    :func:`~.simulator.run`, with no model);
-3. **report** each error (prediction / measurement - 1); the target is within 25%.
+3. **predict the factorial bench** (``minipaged bench``: {contiguous, paged} x {static,
+   continuous} and naive, :mod:`minipaged.bench.serving`): the same calibration, no other
+   tuning; each cell's workload and engine settings (:class:`FactorialSetup`, read the way
+   ``run_bench`` builds them) served by the simulator's policies (:func:`factorial_scheduler`:
+   contiguous = a reservation of the bench's longest request in whole blocks, static = no
+   refill until the batch drains), its throughput against the bench measured in the same
+   process (:func:`measure_factorial`);
+4. **report** each error (prediction / measurement - 1); the target is within 25%.
 
-The measuring half (:func:`record_steps`, :func:`measure_decode`, :func:`measure_workload`)
-drives a real engine and times its steps; everything else is arithmetic on what it records,
-tested on tiny inputs (tests/test_simgpu.py).
+The measuring half (:func:`record_steps`, :func:`measure_decode`, :func:`measure_workload`,
+:func:`measure_factorial`) drives a real engine and times its steps; everything else is
+arithmetic on what it records, tested on tiny inputs (tests/test_simgpu.py).
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence as Seq
 
 from .cost import Calibration, StepCostModel
+from .policies import Reservation, System
 from .simulator import build_scheduler, run
 from .specs import GPUSpec, ModelSpec
 
@@ -169,6 +177,147 @@ def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int
     return [(rng.randint(*prompt), rng.randint(*output)) for _ in range(n)]
 
 
+# -- the factorial bench (minipaged bench) through the simulator --------------------------------------
+FACTORIAL_CELLS = ("naive", "static_contiguous", "static_paged", "continuous_contiguous", "continuous_paged")
+
+
+@dataclass(frozen=True)
+class FactorialSetup:
+    """What ``minipaged bench`` (``serving.run_bench``) gives every cell: the requests
+    (``(prompt_len, output_len)``, all arriving at 0), the KV blocks every system shares, the
+    contiguous reservation (the longest prompt + the longest output), the seats and the token
+    budget; naive serves only the requests ``naive_served`` (by index), one at a time."""
+
+    requests: tuple
+    num_blocks: int
+    block_size: int
+    reserve_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    naive_served: tuple
+
+    def requests_of(self, cell: str) -> list[tuple[int, int]]:
+        return [self.requests[i] for i in self.naive_served] if cell == "naive" else list(self.requests)
+
+
+def factorial_setup(config: Any, quick: bool = True, workload_name: str = "sharegpt", seed: int = 0,
+                    block_size: int = 16, max_num_batched_tokens: int = 1024, **shape_overrides: Any) -> FactorialSetup:
+    """The bench's workload and settings for a model of ``config``, built as ``run_bench`` builds
+    them (its QUICK or FULL shape, then ``shape_overrides``: ``num_requests``, ``static_batch``,
+    ``max_output``, ``naive_requests``, ...). :func:`check_setup` compares it with what a bench
+    run reports, so a change to the bench cannot pass unnoticed."""
+    from ... import parts
+    from ..serving import FULL, QUICK
+    from ..workloads import synthetic
+
+    shape = dict(QUICK if quick else FULL)
+    shape.update({k: v for k, v in shape_overrides.items() if v is not None})
+    max_out = min(shape["max_output"], config.max_position_embeddings // 2)
+    max_prompt = min(shape["max_prompt"], config.max_position_embeddings - max_out)
+    wl = synthetic(workload_name, shape["num_requests"], seed, vocab_size=config.vocab_size, max_output=max_out,
+                   max_prompt=max_prompt, prompt_scale=shape["prompt_scale"], output_scale=shape["output_scale"])
+    reqs = tuple((len(r.prompt_token_ids), r.max_tokens) for r in wl.requests)
+    n = len(reqs)
+    reserve = max(p for p, _ in reqs) + max(o for _, o in reqs)
+    k = shape["naive_requests"]
+    served = tuple(range(n)) if k is None or k >= n else tuple(round(j * (n - 1) / max(k - 1, 1)) for j in range(k))
+    return FactorialSetup(reqs, shape["static_batch"] * parts.cdiv(reserve, block_size), block_size, reserve, max(n, 1),
+                          max_num_batched_tokens, served)
+
+
+def check_setup(setup: FactorialSetup, bench: dict) -> None:
+    """Raise if a bench result (``run_bench``'s dict) was not run on ``setup``'s workload and budget."""
+    kb, w = bench["kv_budget"], bench["workload"]
+    p = [q for q, _ in setup.requests]
+    o = [q for _, q in setup.requests]
+    want = {"blocks": setup.num_blocks, "block_size": setup.block_size, "reserve_len": setup.reserve_len,
+            "num_requests": len(setup.requests), "prompt_max": max(p), "prompt_mean": sum(p) / len(p),
+            "output_max": max(o), "output_mean": sum(o) / len(o)}
+    got = {"blocks": kb["blocks"], "block_size": kb["block_size"], "reserve_len": kb["reserve_len"],
+           "num_requests": w["num_requests"], "prompt_max": w["prompt_len"]["max"],
+           "prompt_mean": w["prompt_len"]["mean"], "output_max": w["output_len"]["max"],
+           "output_mean": w["output_len"]["mean"]}
+    bad = {k: (want[k], got[k]) for k in want if abs(want[k] - got[k]) > 1e-9}
+    if bad:
+        raise RuntimeError(f"the bench ran another workload or budget than the validation simulates "
+                           f"(validation, bench): {bad}; keep factorial_setup in step with serving.run_bench")
+
+
+def factorial_scheduler(cell: str, setup: FactorialSetup) -> Any:
+    """The simulator's parts for one cell of the bench, through the same seams as the paper's
+    baselines (:mod:`.policies`), over the bench's KV blocks:
+
+    * ``continuous_paged``: minipaged's scheduler and block pool, as the bench's engine;
+    * ``*_contiguous``: a reservation of ``reserve_len`` slots in whole blocks (the bench's
+      contiguous block table holds that from admission to finish), slots placed anywhere;
+    * ``static_paged``: a reservation of each request's peak (prompt + output - 1) in whole
+      blocks, the size by which the bench forms its static paged batches;
+    * ``static_*``: no refill, a batch is formed when the last one has drained, at most
+      ``max_num_seqs`` requests;
+    * ``naive``: the paged scheduler with one seat."""
+    bs, kv = setup.block_size, setup.num_blocks * setup.block_size
+    common = dict(block_size=bs, max_len=setup.reserve_len, max_num_batched_tokens=setup.max_num_batched_tokens)
+    if cell == "naive":
+        return build_scheduler("vllm", kv, max_num_seqs=1, **common)
+    if cell == "continuous_paged":
+        return build_scheduler("vllm", kv, max_num_seqs=setup.max_num_seqs, **common)
+    if cell not in FACTORIAL_CELLS:
+        raise ValueError(f"unknown cell {cell!r}: one of {', '.join(FACTORIAL_CELLS)}")
+    policy, layout = cell.split("_")
+    static = policy == "static"
+    reservation = Reservation("max" if layout == "contiguous" else "peak", block_size=bs)
+    return build_scheduler(System(cell, cell, reservation, static=static), kv, max_num_seqs=setup.max_num_seqs,
+                           placement=None, max_batch=setup.max_num_seqs if static else None, **common)
+
+
+def simulate_cell(cost: StepCostModel, cell: str, setup: FactorialSetup) -> dict:
+    """One cell of the bench on the simulated clock: seconds, steps, output tokens per second,
+    how many requests completed, the largest batch of a step and the preemptions."""
+    reqs = setup.requests_of(cell)
+    res = run(factorial_scheduler(cell, setup), reqs, [0.0] * len(reqs), cost, system=cell, keep_batches=True,
+              skip_ahead=False)
+    tokens = sum(o for _, o in reqs)
+    return {"seconds": res.duration, "steps": res.num_steps, "output_tokens": tokens,
+            "tokens_per_s": res.throughput_tokens, "completed": len(reqs) - res.rejected,
+            "peak_batch": max(res.batch_sizes, default=0), "preemptions": res.num_preemptions}
+
+
+def measured_cells(bench: dict) -> dict:
+    """Each factorial cell of a ``run_bench`` result (with its ``_runs``): output tokens per
+    second, seconds, engine steps, requests completed, the largest batch of a step, preemptions."""
+    out = {}
+    for cell in FACTORIAL_CELLS:
+        d = bench["systems"].get(cell)
+        r = bench.get("_runs", {}).get(cell)
+        if d is None or r is None:
+            continue
+        tr = r.trace
+        out[cell] = {"tokens_per_s": d["output_tokens_per_s"], "seconds": d["seconds"], "steps": r.engine.num_steps,
+                     "output_tokens": d["output_tokens"], "completed": len(r.finish),
+                     "peak_batch": max((len(s.batch) for s in tr.steps), default=0) if tr is not None else None,
+                     "preemptions": d.get("preemptions"), "num_batches": d.get("num_batches")}
+    return out
+
+
+def compare_factorial(cost: StepCostModel, setup: FactorialSetup, measured: dict) -> dict:
+    """Predicted against measured throughput for every measured cell (no timing happens here)."""
+    cells = {}
+    for cell in FACTORIAL_CELLS:
+        if cell not in measured:
+            continue
+        me, sim = measured[cell], simulate_cell(cost, cell, setup)
+        cells[cell] = {"measured": me, "predicted": sim, "error": error(sim["tokens_per_s"], me["tokens_per_s"]),
+                       "same_steps_as_engine": sim["steps"] == me["steps"],
+                       "same_requests_completed": sim["completed"] == me["completed"]
+                       and sim["output_tokens"] == me["output_tokens"]}
+    errs = [abs(c["error"]) for c in cells.values()]
+    return {"cells": cells, "requests": len(setup.requests), "naive_requests": len(setup.naive_served),
+            "kv_blocks": setup.num_blocks, "block_size": setup.block_size, "reserve_len": setup.reserve_len,
+            "max_num_seqs": setup.max_num_seqs, "max_num_batched_tokens": setup.max_num_batched_tokens,
+            "worst_error": max(errs) if errs else None,
+            "within_target": bool(errs) and max(errs) <= TARGET_ERROR}
+
+
 # -- measuring the real engine ----------------------------------------------------------------------
 class record_steps:
     """Within ``with record_steps(engine) as rec:``, every ``engine.step()`` called through
@@ -260,13 +409,35 @@ def measure_workload(engine: Any, requests: Seq[tuple[int, int]], seed: int = 2)
              "step_seconds_sum": sum(s.seconds for s in samples)}, samples)
 
 
+def measure_factorial(model: Any, setup_kwargs: dict, seed: int = 0, roofline_batches: tuple = (1, 16),
+                      engine: dict | None = None) -> tuple[FactorialSetup, dict]:
+    """``minipaged bench`` run here on ``model`` (``serving.run_bench``: naive and all four
+    factorial cells, no online sweep, no shared-prefix run; ``engine``: EngineConfig settings,
+    default the plain route, ``fast_paths=False``), and the setup it ran, checked against it.
+    ``setup_kwargs``: :func:`factorial_setup`'s keywords (``quick``, ``num_requests``, ...)."""
+    from ..serving import run_bench
+
+    kw = dict(setup_kwargs)
+    setup = factorial_setup(model.config, seed=seed, **kw)
+    quick = kw.pop("quick", True)
+    kw["workload"] = kw.pop("workload_name", "sharegpt")
+    for k in ("block_size", "max_num_batched_tokens"):
+        kw.setdefault(k, getattr(setup, k))
+    bench = run_bench(quick=quick, model=model, systems=FACTORIAL_CELLS, seed=seed, progress=False, online_requests=0,
+                      shared_prefix=False, roofline_batches=roofline_batches,
+                      engine={"fast_paths": False} if engine is None else engine, **kw)
+    check_setup(setup, bench)
+    return setup, bench
+
+
 # -- the whole validation -------------------------------------------------------------------------
 def compare(machine: GPUSpec, model: ModelSpec, calibration_decode: Seq[Sample], calibration_prefill: Seq[Sample],
             validation_decode: Seq[Sample], workload_requests: Seq[tuple[int, int]] = (),
             workload_measured: dict | None = None, workload_samples: Seq[Sample] = (),
-            shape: EngineShape = EngineShape()) -> dict:
+            shape: EngineShape = EngineShape(), factorial: tuple[FactorialSetup, dict] | None = None) -> dict:
     """Calibrate on the calibration samples, predict the rest, and report every error (no
-    timing happens here: the measurements are arguments)."""
+    timing happens here: the measurements are arguments). ``factorial``: the bench's setup and
+    its measured cells (:func:`measured_cells`), each predicted with the same calibration."""
     cal = fit_calibration(machine, model, calibration_decode, calibration_prefill)
     cost = cost_model(machine, model, cal)
 
@@ -301,6 +472,9 @@ def compare(machine: GPUSpec, model: ModelSpec, calibration_decode: Seq[Sample],
         w["same_steps_as_engine"] = sim["steps"] == workload_measured["steps"]
         out["workload"] = w
         errors += [abs(w["replayed"]["error"]), abs(w["simulated"]["error"])]
+    if factorial is not None:
+        out["factorial"] = compare_factorial(cost, *factorial)
+        errors += [abs(c["error"]) for c in out["factorial"]["cells"].values()]
     out["worst_validation_error"] = max(errors) if errors else None
     out["within_target"] = bool(errors) and max(errors) <= TARGET_ERROR
     return out
@@ -328,6 +502,21 @@ def format_report(res: dict) -> str:
                          f"{w[k]['steps']} steps)  error {w[k]['error']:+.0%}")
         lines.append(f"  the simulated scheduler took {'the same' if w['same_steps_as_engine'] else 'a different'} "
                      f"number of steps as the engine")
+    f = res.get("factorial")
+    if f:
+        lines.append(f"factorial bench (minipaged bench, plain route): {f['requests']} requests (naive: "
+                     f"{f['naive_requests']}), {f['kv_blocks']} KV blocks of {f['block_size']}, contiguous reservation "
+                     f"{f['reserve_len']} tokens")
+        lines.append(f"  {'cell':<22}{'measured tok/s':>15}{'predicted tok/s':>16}{'error':>8}"
+                     f"{'steps (engine/sim)':>20}{'peak batch':>12}")
+        for cell, c in f["cells"].items():
+            me, pr = c["measured"], c["predicted"]
+            lines.append(f"  {cell:<22}{me['tokens_per_s']:>15.1f}{pr['tokens_per_s']:>16.1f}{c['error']:>+8.0%}"
+                         f"{str(me['steps']) + ' / ' + str(pr['steps']):>20}"
+                         f"{str(me['peak_batch']) + ' / ' + str(pr['peak_batch']):>12}")
+        if f["worst_error"] is not None:
+            lines.append(f"  worst cell error {f['worst_error']:.0%}: {'within' if f['within_target'] else 'outside'} "
+                         f"the {TARGET_ERROR:.0%} target")
     worst = res["worst_validation_error"]
     if worst is not None:
         lines.append(f"worst validation error {worst:.0%}: {'within' if res['within_target'] else 'outside'} "
@@ -335,6 +524,9 @@ def format_report(res: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["TARGET_ERROR", "Sample", "EngineShape", "machine_spec", "model_spec_of", "cost_model", "fit_calibration",
-           "predict_steps", "error", "decode_step", "simulate_workload", "workload", "record_steps", "measure_decode",
-           "measure_prefill", "measure_workload", "compare", "format_report"]
+__all__ = ["TARGET_ERROR", "FACTORIAL_CELLS", "Sample", "EngineShape", "FactorialSetup", "machine_spec",
+           "model_spec_of", "cost_model", "fit_calibration", "predict_steps", "error", "decode_step",
+           "simulate_workload", "workload",
+           "factorial_setup", "check_setup", "factorial_scheduler", "simulate_cell", "measured_cells",
+           "compare_factorial", "record_steps", "measure_decode", "measure_prefill", "measure_workload",
+           "measure_factorial", "compare", "format_report"]
