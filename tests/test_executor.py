@@ -149,7 +149,13 @@ def test_the_gguf_routes_whole_step_and_head_argmax(gguf_tiny):
     got = run(eng, prompts)
     assert any(k.startswith("whole_step+") for k in eng.route_counts)
     assert any(k.endswith("+head_argmax") for k in eng.route_counts) == avx512
-    assert any(k.startswith("layers+") for k in eng.route_counts)  # prefills walk the layers
+    # short prompts' tokens attend as decode rows (cpu.attention.tokens_as_decodes): the one call serves them too
+    assert not any(k.startswith("layers+") for k in eng.route_counts)
+    # with prefill_as_decodes off, prefill chunks attend through SDPA, so they walk the layers
+    nopad = LLMEngine(model, tok, **on, **{**wide, "prefill_as_decodes": False})
+    assert run(nopad, prompts) == got
+    assert any(k.startswith("layers+") for k in nopad.route_counts)
+    assert any(k.startswith("whole_step+") for k in nopad.route_counts)  # the decodes still take the one call
     # the same blocks layer by layer, and the logits' argmax: the same bits, so the same tokens
     walk = LLMEngine(model, tok, gguf_blocks=True, whole_step_decode=False, greedy_from_head=False, **wide)
     assert run(walk, prompts) == got

@@ -103,8 +103,9 @@ def test_the_one_call_gives_the_layer_by_layer_bits(head_dim, bias, n):
 @needs_kernels
 def test_the_engine_decodes_the_same_tokens_every_way():
     """Through the engine (prefills, chunked prefills, then decode steps): the whole-step decode on
-    every decode-only step, the layer walk elsewhere, and the same greedy tokens as layer by layer
-    and as the plain route."""
+    every step whose tokens may all attend as decode rows (cpu.attention.tokens_as_decodes: here
+    every step, the contexts being short), the layer walk where prefill_as_decodes is off, and
+    the same greedy tokens as layer by layer and as the plain route."""
     from minipaged.sampling import SamplingParams
 
     model = gguf_model(seed=3)
@@ -112,19 +113,21 @@ def test_the_engine_decodes_the_same_tokens_every_way():
     prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (1, 5, 9, 17, 30, 3)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     got = {}
-    for name, settings in (("whole", ALL_ON), ("layers", LAYERS), ("plain", {"fast_paths": False})):
+    for name, settings in (("whole", ALL_ON), ("whole-nopad", {**ALL_ON, "prefill_as_decodes": False}),
+                           ("layers", LAYERS), ("plain", {"fast_paths": False})):
         eng = engine(model, record_trace=True, max_num_batched_tokens=24, **settings)
         ids = [eng.add_request(p, params) for p in prompts]
         done = eng.run()
         got[name] = [done[i].token_ids for i in ids]
         routes = [s.route.split("+")[0] for s in eng.trace.steps]
-        want = {"whole": {"whole_step", "layers"}, "layers": {"layers"}, "plain": {"model"}}[name]
+        want = {"whole": {"whole_step"}, "whole-nopad": {"whole_step", "layers"}, "layers": {"layers"},
+                "plain": {"model"}}[name]
         assert set(routes) == want, (name, routes)
-        if name == "whole":  # every step of decodes only, and only those, ran in one call
+        if name == "whole-nopad":  # every step of decodes only, and only those, ran in one call
             decode_only = [s.prefill_tokens == 0 and s.decode_tokens > 0 for s in eng.trace.steps]
             assert routes[-1] == "whole_step" and routes[0] == "layers", routes
             assert [r == "whole_step" for r in routes] == decode_only, list(zip(routes, decode_only))
-    assert got["whole"] == got["layers"] == got["plain"]
+    assert got["whole"] == got["whole-nopad"] == got["layers"] == got["plain"]
 
 
 @needs_kernels
@@ -132,14 +135,22 @@ def test_it_stands_in_only_where_it_is_exact():
     model = gguf_model()
     whole = engine(model, **ALL_ON)
 
-    # a step with a prefill in it: layer by layer (the same bits as the layer route)
+    # a step not all decodes whose tokens may attend as decode rows: still the one call, the same
+    # bits as the layer route
     ids, pos, meta = decode_step(whole, 5)
     mixed = AttentionMetadata(meta.slot_mapping, meta.block_tables, meta.context_lens, meta.query_start_loc, 4)
     h = whole.executor.forward(ids, pos, mixed)
-    assert whole.executor.last_route == "layers"
+    assert whole.executor.last_route == "whole_step"
     layers = engine(model, **LAYERS)
     ids2, pos2, meta2 = decode_step(layers, 5)
     assert torch.equal(h, layers.executor.forward(ids2, pos2, meta2))
+    # where prefill tokens attend through SDPA (prefill_as_decodes off), such a step walks the layers
+    nopad = engine(model, **ALL_ON, prefill_as_decodes=False)
+    ids3, pos3, meta3 = decode_step(nopad, 5)
+    mixed3 = AttentionMetadata(meta3.slot_mapping, meta3.block_tables, meta3.context_lens, meta3.query_start_loc, 4)
+    h3 = nopad.executor.forward(ids3, pos3, mixed3)
+    assert nopad.executor.last_route == "layers"
+    torch.testing.assert_close(h, h3, rtol=1e-4, atol=1e-4)  # SDPA: another order of the sums
 
     # a hook on any part: the plan leaves the model's own forward to run, and the hook sees its call
     hooked = []

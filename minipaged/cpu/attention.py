@@ -7,10 +7,13 @@ sequence's block table and reads each cached row once, where it lies (csrc/paged
 
 - K/V write: one C call for K and V (every slot checked first, nothing written if one is bad).
 - Decodes: every decode sequence in one call of the decode kernel.
-- Prefills whose contexts are at most ``PREFILL_AS_DECODES_MAX_CONTEXT`` long (when the plan's
-  ``prefill_as_decodes`` is on): each new token is one decode query over its causal prefix, all
-  in one call: no gathered copy, no padding, no masked half. Longer contexts go to
-  attention/torch_sdpa.py, which reuses each K/V tile across a chunk's queries.
+- Prefills whose contexts are at most ``PREFILL_AS_DECODES_MAX_CONTEXT`` long, and short queries
+  (at most ``SHORT_QUERY_AS_DECODES`` new tokens, e.g. a speculative step's last token and its
+  drafts) over any context (when the plan's ``prefill_as_decodes`` is on): each new token is one
+  decode query over its causal prefix, all in one call: no gathered copy, no padding, no masked
+  half. Longer chunks over longer contexts go to attention/torch_sdpa.py, which reuses each K/V
+  tile across a chunk's queries. :func:`tokens_as_decodes` is the one rule, which the whole-step
+  decode (cpu/executor.py) follows too, so both routes run the same kernel on the same rows.
 
 One instance per engine: the only state, the current step's per-token prefill rows, is that
 engine's. The results equal attention/reference.py's to fp32 rounding (tests/test_attention_fast.py).
@@ -25,6 +28,13 @@ from ..kv_cache import write_kv as torch_write_kv
 from . import kernels
 
 PREFILL_AS_DECODES_MAX_CONTEXT = 256
+SHORT_QUERY_AS_DECODES = 16
+
+
+def tokens_as_decodes(q_lens, ctx) -> bool:
+    """True where each new token of these sequences may attend as its own decode query: every
+    context is short, or every query is (a verifying step's k + 1 tokens)."""
+    return all(c <= PREFILL_AS_DECODES_MAX_CONTEXT or n <= SHORT_QUERY_AS_DECODES for n, c in zip(q_lens, ctx))
 
 
 class CPUAttention:
@@ -87,7 +97,7 @@ class CPUAttention:
             return out
         lo, hi = qsl[rest[0]], qsl[rest[-1] + 1]
         contiguous = rest == list(range(rest[0], rest[-1] + 1))
-        if self.prefill_as_decodes and contiguous and max(ctx[s] for s in rest) <= PREFILL_AS_DECODES_MAX_CONTEXT:
+        if self.prefill_as_decodes and contiguous and tokens_as_decodes([q_lens[s] for s in rest], [ctx[s] for s in rest]):
             tables, lens = self._prefill_rows(block_tables, rest, q_lens, ctx)
             kernels.paged_decode(q[lo:hi], k_cache, v_cache, tables, lens, scale, out=out[lo:hi])
             return out
@@ -102,4 +112,4 @@ class CPUAttention:
         return out
 
 
-__all__ = ["CPUAttention", "PREFILL_AS_DECODES_MAX_CONTEXT"]
+__all__ = ["CPUAttention", "PREFILL_AS_DECODES_MAX_CONTEXT", "SHORT_QUERY_AS_DECODES", "tokens_as_decodes"]

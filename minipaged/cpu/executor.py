@@ -316,12 +316,16 @@ def build_plan(config: Any, model: nn.Module, device: torch.device, attention: A
     routes["next_token"] = ("head-argmax for greedy batches of 9+ rows (c), sampler otherwise" if head
                             else "sampler over the logits")
     if getattr(config, "speculative_config", None) is not None:
-        # a verifying step has several new tokens per sequence: not a pure decode, so never the whole-step call
-        routes["speculative"] = (f"ngram drafts verified k+1 tokens a sequence on the {'layers' if walk else 'model'} route "
-                                 "(a prefill-shaped step); steps with no drafts as above")
+        # a verifying step has k + 1 new tokens a sequence: each attends as its own decode query
+        if whole and cpu_attention.prefill_as_decodes:
+            how_spec = "the whole-step call, each token a decode row"
+        else:
+            how_spec = f"the {'layers' if walk else 'model'} route (a prefill-shaped step)"
+        routes["speculative"] = f"ngram drafts: k+1 tokens a sequence verified in one step on {how_spec}"
     plan = Plan(types.MappingProxyType(routes), types.MappingProxyType(refused), backend.name)
     return plan, {"backend": backend, "walk": walk, "elementwise": elementwise, "blocks": blocks, "packs": packs,
-                  "whole": whole, "head": head, "pack_rows": config.max_num_seqs}
+                  "whole": whole, "head": head, "pack_rows": config.max_num_seqs,
+                  "rows_as_decodes": bool(whole and cpu_attention is not None and cpu_attention.prefill_as_decodes)}
 
 
 class Executor:
@@ -338,6 +342,7 @@ class Executor:
         self._pack_rows: int = how["pack_rows"]
         self._head = how["head"]
         self._decode_layers = self._build_decode_layers() if how["whole"] else None
+        self._rows_as_decodes = how.get("rows_as_decodes", False)
         self.last_route = None
 
     def _build_decode_layers(self):
@@ -362,8 +367,11 @@ class Executor:
     # -- a step -----------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        original = meta
         n = input_ids.shape[0]
-        if self._decode_layers is not None and meta.num_decodes == n and meta.context_lens.shape[0] == n:
+        if self._decode_layers is not None and not (meta.num_decodes == n and meta.context_lens.shape[0] == n):
+            meta = self._as_decode_rows(meta, n)  # None: a step the layers must take
+        if self._decode_layers is not None and meta is not None:
             from . import kernels
 
             self.last_route = "whole_step"
@@ -372,11 +380,33 @@ class Executor:
             cos, sin = model.rope_cos[positions], model.rope_sin[positions]
             x = kernels.decode_layers(self._decode_layers, x, cos, sin, meta, model.layers[0].self_attn.scale)
             return self._norm(model.norm, x)
+        if meta is None:
+            meta = original
         if self._walk:
             self.last_route = "layers"
             return self._layers(input_ids, positions, meta)
         self.last_route = "model"
         return self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+
+    def _as_decode_rows(self, meta: AttentionMetadata, n: int) -> AttentionMetadata | None:
+        """A step whose every new token may attend as its own decode query (the attention's one
+        rule, cpu.attention.tokens_as_decodes: e.g. a speculative step's k + 1 tokens a sequence),
+        as ``n`` decode rows: token ``i`` of a sequence gets its table row and the causal context
+        ``ctx - q_len + i + 1``. The rows attend with the same kernel the layer walk gives them,
+        so the same bits. None where the step does not qualify."""
+        if not self._rows_as_decodes:
+            return None
+        from .attention import tokens_as_decodes
+
+        qsl = meta.query_start_loc.tolist()
+        ctx = meta.context_lens.tolist()
+        q_lens = [qsl[s + 1] - qsl[s] for s in range(len(ctx))]
+        if sum(q_lens) != n or any(q < 1 or q > c for q, c in zip(q_lens, ctx)) or not tokens_as_decodes(q_lens, ctx):
+            return None
+        rows = torch.tensor([s for s, q in enumerate(q_lens) for _ in range(q)], dtype=torch.long)
+        lens = torch.tensor([c - q + i + 1 for q, c in zip(q_lens, ctx) for i in range(q)], dtype=torch.int32)
+        return AttentionMetadata(slot_mapping=meta.slot_mapping, block_tables=meta.block_tables.index_select(0, rows),
+                                 context_lens=lens, query_start_loc=torch.arange(n + 1, dtype=torch.int32), num_decodes=n)
 
     def _linear(self, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         b = self._blocks.get(m)
