@@ -127,6 +127,7 @@ BENCH_COMMANDS = [
     ("ablation", ".bench.ablation", "what each fast path buys: plain, + C kernels, + GGUF matmul, + whole-step decode, + greedy-from-head"),
     ("detok", ".bench.detok", "what detokenizing costs per token, incremental against a full re-decode"),
     ("prefix", ".bench.prefix", "a shared system prompt with the prefix cache on and off"),
+    ("spec", ".bench.spec", "speculative decoding (n-gram drafts) on and off, on a repeating workload and free chat"),
     ("paper", ".bench.gpu.paper", "the PagedAttention paper's Figs. 12-13 on a simulated GPU (real scheduler, no model)"),
 ]
 

@@ -210,6 +210,11 @@ class LLMEngine:
         spec = SpeculativeConfig.from_dict(config.speculative_config)  # a bad value is a clear error here
         if spec is not None:
             require_support(parts.scheduler_cls, "schedule", "speculative_decoding", "speculative_config", "scheduler")
+            trunc = getattr(parts.block_table_cls, "truncate", None)
+            if trunc is not None and not callable(trunc):  # the contract's optional member (interfaces.OPTIONAL_MEMBERS)
+                raise TypeError(f"{parts.block_table_cls.__name__}.truncate is {type(trunc).__name__}, not a method: "
+                                "speculative_config rolls rejected drafts back with truncate(num_tokens); define it "
+                                "as a method, or remove it to let minipaged cut the table through its public members")
         self.allocator = parts.allocator_cls(num_blocks, config.block_size)
         check_part(self.allocator, BlockPool, "allocator")
         if self.allocator.num_blocks != num_blocks or self.allocator.block_size != config.block_size:

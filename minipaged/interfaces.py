@@ -65,6 +65,15 @@ class BlockTableProtocol(Protocol):
     ``num_tokens`` counts the token slots in use; ``len(blocks) == ceil(num_tokens / block_size)``.
     ``append_tokens`` is all or nothing: when the pool cannot cover the new tokens it raises
     ``OutOfBlocksError`` and leaves the table as it was.
+
+    Optional member (see ``OPTIONAL_MEMBERS``), used with ``speculative_config``:
+    ``truncate(num_tokens)`` rolls the table back to its first ``num_tokens`` token slots after a
+    verifying step rejected drafts: ``num_tokens`` becomes ``num_tokens``, the first
+    ``ceil(num_tokens / block_size)`` blocks stay, every other block goes back with
+    ``allocator.free(b)``, last block first (a shared block loses this table's reference only); a
+    ``num_tokens`` outside ``0..self.num_tokens`` raises ``ValueError`` and changes nothing. A
+    table class without it is rolled back by ``minipaged.spec_decode.truncate_table`` over the
+    members above, to the same state. Workbook 09 has you write it.
     """
 
     allocator: Any
@@ -196,5 +205,11 @@ PROTOCOL_MEMBERS: dict[type, tuple[str, ...]] = {
                           "hash_block", "match_prefix", "cache_blocks", "num_cached_blocks", "num_evictions"),
 }
 
+# Members a part may define, and the setting that uses them when it does: the engine asks the part
+# (``type(part).member``) and otherwise does the same with the Protocol's members alone.
+OPTIONAL_MEMBERS: dict[type, dict[str, str]] = {
+    BlockTableProtocol: {"truncate": "speculative_config"},
+}
+
 __all__ = ["BlockPool", "BlockTableProtocol", "SchedulerProtocol", "PrefixCacheProtocol", "PagedAttentionFn",
-           "PROTOCOL_MEMBERS"]
+           "PROTOCOL_MEMBERS", "OPTIONAL_MEMBERS"]

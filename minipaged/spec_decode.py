@@ -27,6 +27,14 @@ and the per-engine state that ties them together (:class:`SpecDecoder`):
   works on a learner's table too; a table class that defines ``truncate(num_tokens)`` (the
   optional member of the contract) is asked to do it itself.
 
+- **backing off** (:class:`Backoff`): a draft costs a verifying step more than a plain decode (more
+  rows, and never the whole-step decode route), so a sequence whose text does not repeat itself
+  should stop proposing. After ``BACKOFF_AFTER`` drafts in a row with no token kept, the sequence
+  proposes nothing for its next ``pause`` decode steps; the pause starts at ``PAUSE_FIRST`` steps
+  and doubles each time it is served again without a kept token in between, up to ``PAUSE_MAX``;
+  one kept draft token resets both. Proposing nothing changes no token (a step without drafts is
+  plain decoding), so greedy exactness holds with the rule on or off (``SpecDecoder(backoff=False)``).
+
 It never runs the model, never schedules, and never touches K/V data: a rejected slot is simply
 no longer mapped, and the next step overwrites it.
 """
@@ -279,16 +287,55 @@ def speculates(params: Any) -> bool:
     return not getattr(params, "changes_logits", False) and getattr(params, "logprobs", None) is None
 
 
+BACKOFF_AFTER = 3  # drafts in a row with no token kept before a sequence pauses proposing
+PAUSE_FIRST = 8  # decode steps of the first pause
+PAUSE_MAX = 128  # the longest pause
+
+
+@dataclass
+class Backoff:
+    """One sequence's back-off state (see the module's docstring): ``misses``, drafts in a row with
+    no token kept; ``skip``, decode steps left to propose nothing; ``pause``, the next pause's length."""
+
+    misses: int = 0
+    skip: int = 0
+    pause: int = PAUSE_FIRST
+
+    def wants_draft(self) -> bool:
+        """Asked once per decode step: False while a pause lasts (and counts that step off)."""
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, num_accepted: int) -> bool:
+        """After a verified draft; True when this one starts a pause."""
+        if num_accepted > 0:
+            self.misses, self.pause = 0, PAUSE_FIRST
+            return False
+        self.misses += 1
+        if self.misses < BACKOFF_AFTER:
+            return False
+        self.misses, self.skip = 0, self.pause
+        self.pause = min(2 * self.pause, PAUSE_MAX)
+        return True
+
+
 class SpecDecoder:
     """One per engine when ``speculative_config`` is set: proposes each step's drafts, verifies them
     after the forward pass, and counts. The scheduler budgets ``seq.spec_token_ids``; the update
-    (``Scheduler.update``) rolls the rejected drafts back with :func:`rollback`."""
+    (``Scheduler.update``) rolls the rejected drafts back with :func:`rollback`. ``backoff``: pause a
+    sequence's proposals while its drafts keep failing (:class:`Backoff`)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int | None = None, backoff: bool = True) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.backoff = backoff
         self.stats = SpecStats()
         self.per_seq: dict[Any, SpecStats] = {}
+        self._backoff: dict[Any, Backoff] = {}
+        self.num_pauses = 0  # pauses started (all sequences)
+        self.num_paused_steps = 0  # decode steps a sequence proposed nothing because it was paused
 
     # before the step
     def propose(self, running: Seq[Any]) -> None:
@@ -300,6 +347,9 @@ class SpecDecoder:
             if (seq.output_token_ids and seq.num_computed_tokens == seq.num_tokens - 1 and not seq.forks
                     and speculates(seq.sampling_params)):
                 k = min(c.num_speculative_tokens, draft_room(seq, self.max_model_len))
+                if k > 0 and self.backoff and not self._backoff.setdefault(seq.seq_id, Backoff()).wants_draft():
+                    self.num_paused_steps += 1
+                    k = 0
                 if k > 0:
                     drafts = propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
             seq.spec_token_ids = drafts
@@ -347,11 +397,13 @@ class SpecDecoder:
             sampled[seq.seq_id] = run
             self.stats.add(d, len(run) - 1)
             self.per_seq.setdefault(seq.seq_id, SpecStats()).add(d, len(run) - 1)
+            if self.backoff and self._backoff.setdefault(seq.seq_id, Backoff()).record(len(run) - 1):
+                self.num_pauses += 1
         return sampled
 
     def request_metrics(self, seq_ids: Seq[Any]) -> dict | None:
-        """A request's counts over its samples (``RequestMetrics.spec_decode``); None when none of
-        them verified a draft."""
+        """A request's counts over its samples (``RequestMetrics.spec_decode``), ``accepted_per_pos``
+        included (a server's ``/metrics`` adds them up); None when none of them verified a draft."""
         mine = [self.per_seq[q] for q in seq_ids if q in self.per_seq]
         if not mine:
             return None
@@ -360,18 +412,22 @@ class SpecDecoder:
             total.num_drafts += m.num_drafts
             total.num_draft_tokens += m.num_draft_tokens
             total.num_accepted_tokens += m.num_accepted_tokens
-        out = total.as_dict()
-        del out["accepted_per_pos"]
-        return out
+            total.accepted_per_pos += [0] * (len(m.accepted_per_pos) - len(total.accepted_per_pos))
+            for i, c in enumerate(m.accepted_per_pos):
+                total.accepted_per_pos[i] += c
+        return total.as_dict()
 
     def forget(self, seq_id: Any) -> None:
         self.per_seq.pop(seq_id, None)
+        self._backoff.pop(seq_id, None)
 
     def as_dict(self) -> dict:
-        return {**self.config.as_dict(), **self.stats.as_dict()}
+        return {**self.config.as_dict(), **self.stats.as_dict(), "backoff": self.backoff,
+                "num_pauses": self.num_pauses, "num_paused_steps": self.num_paused_steps}
 
 
 __all__ = [
     "SPEC_KEYS", "SpeculativeConfig", "propose_ngram", "draft_room", "verify_run", "accept_greedy",
-    "accept_point_mass", "truncate_table", "rollback", "SpecStats", "speculates", "SpecDecoder",
+    "accept_point_mass", "truncate_table", "rollback", "SpecStats", "speculates", "Backoff", "BACKOFF_AFTER",
+    "PAUSE_FIRST", "PAUSE_MAX", "SpecDecoder",
 ]

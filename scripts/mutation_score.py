@@ -267,7 +267,9 @@ def _prepare(stem: str) -> None:
 
     for m in pkgutil.iter_modules(minipaged.checks.__path__):
         importlib.import_module(f"minipaged.checks.{m.name}")
-    if stem == "07_assemble":
+    from minipaged.checks._workbooks import MODEL_WORKBOOKS
+
+    if stem in MODEL_WORKBOOKS:  # the model loads once, here (the solution's run below); the children share it
         importlib.import_module("torch._dynamo")
         importlib.import_module("minipaged.engine")
 

@@ -11,6 +11,7 @@
 - ablation: docs/figures/ablation.json, written by `minipaged bench ablation --json docs/figures/ablation.json`
 - profile: docs/figures/profile.json, written by `minipaged bench profile --json docs/figures/profile.json`
 - tp:      docs/figures/tp.json, written by `minipaged bench tp --json docs/figures/tp.json`
+- spec:    docs/figures/spec.json, written by `minipaged bench spec --json docs/figures/spec.json`
 
 Usage: python scripts/update_readme.py [--check]   (--check: exit 1 if the README is stale)
 """
@@ -42,12 +43,24 @@ def _title(nb: Path) -> str:
     return nb.stem.replace("_", " ")
 
 
+def _workbook_of(nb: Path) -> Path | None:
+    """The workbook a lesson's closing cell sends the learner to (``exercises/NN_name.ipynb``), if it
+    exists: lesson 12's workbook is 09, and lessons 00, 09, 10, 11 have none."""
+    try:
+        cells = json.loads(nb.read_text())["cells"]
+        last = next(c for c in reversed(cells) if c["cell_type"] == "markdown")
+    except (OSError, ValueError, KeyError, StopIteration):
+        return None
+    m = re.search(r"exercises/([0-9][0-9]_\w+\.ipynb)", "".join(last["source"]))
+    p = ROOT / "exercises" / m.group(1) if m else None
+    return p if p is not None and p.exists() else None
+
+
 def badges_block() -> str:
     rows = ["| lesson | open | workbook |", "| --- | --- | --- |"]
-    workbooks = {p.name[:2]: p for p in sorted((ROOT / "exercises").glob("*.ipynb"))}
     for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         rel = nb.relative_to(ROOT).as_posix()
-        wb = workbooks.get(nb.name[:2])
+        wb = _workbook_of(nb)
         wb_cell = f"[{wb.name}]({wb.relative_to(ROOT).as_posix()}) [![Colab]({BADGE})]({colab_badge_url(wb.relative_to(ROOT).as_posix())})" if wb else "-"
         rows.append(f"| [{_title(nb)}]({rel}) | [![Open In Colab]({BADGE})]({colab_badge_url(rel)}) | {wb_cell} |")
     return "\n".join(rows)
@@ -193,6 +206,29 @@ def ablation_block() -> str:
     return head + "\n\n" + format_markdown(res).strip()
 
 
+def spec_block() -> str:
+    p = ROOT / "docs" / "figures" / "spec.json"
+    if not p.exists():
+        return ("(run `minipaged bench spec --json docs/figures/spec.json` then `python scripts/update_readme.py` "
+                "to measure)")
+    from minipaged.bench.spec import format_goals, format_markdown
+
+    res = json.loads(p.read_text())
+    m, c = res.get("machine", {}), res["speculative_config"]
+    head = (f"Command: `minipaged bench spec --json docs/figures/spec.json` ({res['max_tokens']} new tokens a request, "
+            f"greedy, EOS ignored; batch 1: {res['batch1_requests']} request(s) served one at a time; each side the best of "
+            f"{res['repeats']} interleaved run(s); `speculative_config={{\"method\": \"{c['method']}\", "
+            f"\"num_speculative_tokens\": {c['num_speculative_tokens']}, \"prompt_lookup_max\": {c['prompt_lookup_max']}, "
+            f"\"prompt_lookup_min\": {c['prompt_lookup_min']}}}`, back-off on; {m.get('cpus', '?')} threads, torch "
+            f"{m.get('torch', '?')}; measured {res.get('when', '?')}). Workloads: "
+            + "; ".join(f"**{k}**: {v}" for k, v in res.get("workloads", {}).items()) + ".")
+    lines = [head, "", format_markdown(res).strip(), "",
+             f"- Greedy tokens equal with speculation on and off, in every run: **{res['greedy_equal']}**.",
+             f"- Goals: {format_goals(res)}.",
+             f"- Route: {res['route']}."]
+    return "\n".join(lines)
+
+
 def tp_block() -> str:
     p = ROOT / "docs" / "figures" / "tp.json"
     if not p.exists():
@@ -227,7 +263,8 @@ BLOCKS = {"badges": badges_block, "ablation": ablation_block, "timings": timings
           "bench_quick_fp32": bench_quick_fp32_block,
           "speed": speed_block,
           "profile": profile_block,
-          "tp": tp_block}
+          "tp": tp_block,
+          "spec": spec_block}
 
 
 def render(text: str) -> str:

@@ -27,6 +27,7 @@ SLOW_TESTS: dict[str, tuple[str, ...] | None] = {
     # a server under load, or the bench launching one
     "test_server_load.py": None,
     "test_bench_serve.py": None,
+    "test_spec_bench.py": ("test_quick_run_writes_the_json_with_greedy_tokens_equal",),  # `bench spec --quick`: loads SmolLM2, builds 2 engines
     # the bench's measured runs (its report logic stays in the quick tier)
     "test_bench.py": ("test_run_bench_tiny", "test_the_bench_can_serve_on_the_fp32_weights_only",
                       "test_readme_generated_blocks_are_current", "test_every_system_gives_the_engines_greedy_tokens",

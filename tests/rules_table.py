@@ -24,6 +24,7 @@ TD = "minipaged.checks.triton_decode"
 SC = "minipaged.checks.scheduler"
 AS = "minipaged.checks.assemble"
 PC = "minipaged.checks.prefix_cache"
+SD = "minipaged.checks.spec_decode"
 
 RULES = [
     # 01: KV-cache arithmetic
@@ -158,6 +159,38 @@ RULES = [
          "cow_empty_write_copies", "numerical"),
     Rule("08_prefix_caching", "minipaged's own prefix cache and copy-on-write in your place", f"{PC}:check_copy_on_write",
          "cow_calls_reference", "delegation"),
+    # 09: speculative decoding: the n-gram proposer and the block-table rollback
+    Rule("09_speculative_decoding", "`[]` when there is none (never `None`)", f"{SD}:check_proposer", "returns_none"),
+    Rule("09_speculative_decoding", "The suffix itself is not an earlier occurrence", f"{SD}:check_proposer", "matches_itself"),
+    Rule("09_speculative_decoding", "An earlier occurrence may overlap the suffix", f"{SD}:check_proposer", "no_overlap",
+         "numerical"),
+    Rule("09_speculative_decoding", "**The longest n-gram wins.**", f"{SD}:check_proposer", "shortest_ngram_first"),
+    Rule("09_speculative_decoding", "No n-gram longer than `max_n`", f"{SD}:check_proposer", "ignores_max_n"),
+    Rule("09_speculative_decoding", "none shorter than `min_n`", f"{SD}:check_proposer", "ignores_min_n"),
+    Rule("09_speculative_decoding", "**The most recent earlier occurrence wins**", f"{SD}:check_proposer", "first_occurrence"),
+    Rule("09_speculative_decoding", "at most `k` of them", f"{SD}:check_proposer", "returns_whole_continuation"),
+    Rule("09_speculative_decoding", "fewer than `k` when the sequence ends sooner", f"{SD}:check_proposer",
+         "skips_short_continuations", "numerical"),
+    Rule("09_speculative_decoding", "it sets `self.num_tokens = num_tokens`", f"{SD}:check_truncate", "num_tokens_unchanged"),
+    Rule("09_speculative_decoding", "a partly filled last block stays", f"{SD}:check_truncate", "keeps_floor_blocks",
+         "numerical"),
+    Rule("09_speculative_decoding", "a block left holding no slot goes too", f"{SD}:check_truncate", "keeps_empty_block",
+         "numerical"),
+    Rule("09_speculative_decoding", "last block first", f"{SD}:check_truncate", "frees_first_block_first"),
+    Rule("09_speculative_decoding", "it gives every block it drops back", f"{SD}:check_truncate", "drop_leaks_blocks"),
+    Rule("09_speculative_decoding", "loses only this table's reference", f"{SD}:check_truncate", "frees_shared_block_to_zero",
+         "sharing"),
+    Rule("09_speculative_decoding", "a rollback never grows the table", f"{SD}:check_truncate", "grows_past_the_end"),
+    Rule("09_speculative_decoding", "raises `ValueError`", f"{SD}:check_truncate", "raises_indexerror"),
+    Rule("09_speculative_decoding", "raises `ValueError` and changes nothing", f"{SD}:check_truncate", "changes_before_raising"),
+    Rule("09_speculative_decoding", "Use only the pool's members of the contract", f"{SD}:check_truncate", "pool_internals"),
+    Rule("09_speculative_decoding", "The checks refuse minipaged's own proposer and rollback", f"{SD}:check_proposer",
+         "calls_propose_ngram", "delegation"),
+    Rule("09_speculative_decoding", "called from inside yours", f"{SD}:check_truncate", "calls_truncate_table", "delegation"),
+    Rule("09_speculative_decoding", "minipaged's own `BlockTable` (without a `truncate` of yours)", f"{SD}:check_truncate",
+         "minipaged_own_table", "delegation"),
+    Rule("09_speculative_decoding", "passed under another name", f"{SD}:check_serving", "serves_reference_proposer",
+         "delegation"),
 ]
 # Wrong answers that test the checks' own machinery (time limit, a renamed class), not a stated rule.
 NOT_A_RULE = {"02_block_allocator/endless_loop", "07_assemble/renamed_class"}

@@ -123,7 +123,7 @@ def test_wrong_answer_is_rejected(path: Path, tmp_path: Path, request) -> None:
 
 def test_every_workbook_has_three_wrong_answers() -> None:
     stems = ["01_kv_cache_math", "02_block_allocator", "03_block_table", "04_paged_attention_torch",
-             "05_triton_decode_kernel", "06_scheduler", "07_assemble", "08_prefix_caching"]
+             "05_triton_decode_kernel", "06_scheduler", "07_assemble", "08_prefix_caching", "09_speculative_decoding"]
     for stem in stems:
         n = len([p for p in (WRONG / stem).glob("*.py") if not p.name.startswith("_")])
         assert n >= 3, f"tests/wrong_answers/{stem}/ has {n} wrong answers; keep at least 3"
@@ -543,3 +543,29 @@ def test_assembled_attention_dispatches_on_num_decodes() -> None:
     assert calls == {"decode": 1, "full": 1}, calls
     parts.attention(*case.args(), num_decodes=0)
     assert calls == {"decode": 1, "full": 2}, calls
+
+
+@pytest.mark.slow  # loads the model
+def test_serving_check_compares_every_step(one_thread) -> None:
+    """Workbook 09: parts that give the reference's greedy tokens anyway (a rejected draft changes no
+    token) are still caught in the engine by the step-by-step comparison: a rollback that leaks its
+    blocks, a proposer that drafts one token only. Neither is run through its own check here."""
+    from minipaged.checks import spec_decode as sd
+
+    ns = _solution("09_speculative_decoding")
+    good_propose, good_table = ns["propose_ngram"], ns["MyBlockTable"]
+
+    class Leaky(good_table):
+        def truncate(self, num_tokens):
+            keep = -(-num_tokens // self.block_size)
+            self.blocks, self.num_tokens = self.blocks[:keep], num_tokens
+
+    def one_token(token_ids, k, min_n, max_n):
+        return good_propose(token_ids, k, min_n, max_n)[:1]
+
+    with pytest.raises(CheckFailed, match="differs from the reference engine") as info:
+        sd.check_serving(good_propose, Leaky)
+    assert "must give it back with self.allocator.free(b)" in str(info.value), str(info.value)
+    with pytest.raises(CheckFailed, match="your proposer gave another draft") as info:
+        sd.check_serving(one_token, good_table)
+    assert "Expected: [" in str(info.value), str(info.value)

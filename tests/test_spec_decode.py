@@ -346,3 +346,78 @@ def test_spec_stats():
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 5, 2)
     assert s.acceptance_rate == pytest.approx(0.4) and s.mean_acceptance_length == pytest.approx(2.0)
     assert s.accepted_per_pos == [1, 1, 0]
+
+
+# -- backing off when drafts keep failing ---------------------------------------------------------------
+def test_backoff_pauses_after_misses_doubles_and_resets():
+    from minipaged.spec_decode import BACKOFF_AFTER, PAUSE_FIRST, PAUSE_MAX, Backoff
+
+    b = Backoff()
+    for _ in range(BACKOFF_AFTER - 1):
+        assert b.record(0) is False and b.wants_draft()
+    assert b.record(0) is True, "the third miss in a row starts a pause"
+    assert [b.wants_draft() for _ in range(PAUSE_FIRST)] == [False] * PAUSE_FIRST
+    assert b.wants_draft(), "the pause lasts PAUSE_FIRST decode steps, no more"
+    for _ in range(BACKOFF_AFTER):
+        b.record(0)
+    assert sum(not b.wants_draft() for _ in range(4 * PAUSE_FIRST)) == 2 * PAUSE_FIRST, "the next pause is twice as long"
+    b.record(0)
+    b.record(2)  # a kept token: the misses and the pause length start over
+    assert (b.misses, b.skip, b.pause) == (0, 0, PAUSE_FIRST)
+    for _ in range(50 * BACKOFF_AFTER):
+        b.record(0)
+        b.skip = 0
+    assert b.pause == PAUSE_MAX, "the pause never grows past PAUSE_MAX"
+
+
+def _fake_verify(dec, seq, target_token):
+    """One verifying step for ``seq`` through SpecDecoder.verify, the target choosing ``target_token``
+    at every position (so a draft is kept only where it equals it)."""
+    from types import SimpleNamespace
+
+    d = len(seq.spec_token_ids)
+    inputs = SimpleNamespace(samplers=[SimpleNamespace(seq=seq)], num_drafts=[d], sample_rows=[0])
+    hidden = torch.zeros(d + 1, 4)
+
+    def compute_logits(h):
+        logits = torch.zeros(h.shape[0], 64)
+        logits[:, target_token] = 1.0
+        return logits
+
+    return dec.verify(inputs, hidden, {seq.seq_id: target_token}, compute_logits, sampler=None)[seq.seq_id]
+
+
+@pytest.mark.parametrize("backoff", [True, False])
+def test_spec_decoder_stops_proposing_for_a_sequence_whose_drafts_keep_failing(backoff):
+    from minipaged.sampling import SamplingParams
+    from minipaged.spec_decode import BACKOFF_AFTER, PAUSE_FIRST
+
+    cfg = SpeculativeConfig.from_dict({"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    dec = SpecDecoder(cfg, backoff=backoff)
+    seq = Sequence("a", [1, 2, 3, 1, 2], max_tokens=1000, sampling_params=SamplingParams(temperature=0))
+    seq.output_token_ids = [3]
+    drafted = []
+    for step in range(BACKOFF_AFTER + PAUSE_FIRST + 1):
+        seq.num_computed_tokens = seq.num_tokens - 1
+        dec.propose([seq])
+        drafted.append(bool(seq.spec_token_ids))
+        if seq.spec_token_ids:  # the target never agrees: token 50, never in the text
+            assert _fake_verify(dec, seq, 50) == [50]
+        seq.spec_token_ids = []
+    if not backoff:
+        assert all(drafted) and dec.num_pauses == 0
+        return
+    assert drafted == [True] * BACKOFF_AFTER + [False] * PAUSE_FIRST + [True], drafted
+    assert dec.as_dict()["num_pauses"] == 1 and dec.as_dict()["num_paused_steps"] == PAUSE_FIRST
+    # a sequence whose drafts are kept never pauses
+    other = Sequence("b", [1, 2, 3, 1, 2], max_tokens=1000, sampling_params=SamplingParams(temperature=0))
+    other.output_token_ids = [3]
+    for _ in range(3 * BACKOFF_AFTER):
+        other.num_computed_tokens = other.num_tokens - 1
+        dec.propose([other])
+        assert other.spec_token_ids, "a sequence with kept drafts was paused"
+        run = _fake_verify(dec, other, other.spec_token_ids[0])
+        assert run[0] == other.spec_token_ids[0]
+        other.spec_token_ids = []
+    dec.forget("a")
+    assert "a" not in dec._backoff and "a" not in dec.per_seq

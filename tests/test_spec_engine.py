@@ -16,9 +16,12 @@ from minipaged.sampling import SamplingParams
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def _run(model, tok, prompts, params, spec=None, **kw):
-    """Every prompt's output (token ids, finish reason) and the engine; invariants after every step."""
+def _run(model, tok, prompts, params, spec=None, backoff=True, **kw):
+    """Every prompt's output (token ids, finish reason) and the engine; invariants after every step.
+    ``backoff=False``: proposals never pause (SpecDecoder's back-off rule off)."""
     eng = LLMEngine(model, tok, speculative_config=spec, **kw)
+    if eng.spec is not None:
+        eng.spec.backoff = backoff
     ids = [eng.add_request(p, params) for p in prompts]
     done = {}
     while eng.has_unfinished_requests():
@@ -144,6 +147,23 @@ def test_parallel_sampling_and_copy_on_write(tiny_model):
     assert again == got, "seeded sampling with speculation is not reproducible"
 
 
+def test_backing_off_changes_no_token(tiny_model):
+    """Pausing a sequence's proposals (its drafts keep failing) is plain decoding: the same greedy
+    tokens with the rule on, off, and without speculation; with it on, fewer drafts are verified."""
+    model, tok = tiny_model
+    prompts = [[5, 9, 17, 5, 9, 17, 5, 9], [60, 61, 60, 61, 60], [3, 7, 11, 13, 3, 7, 19, 23, 3, 7]]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    want, _ = _run(model, tok, prompts, params, block_size=4)
+    on, eng_on = _run(model, tok, prompts, params, spec, block_size=4)
+    off, eng_off = _run(model, tok, prompts, params, spec, backoff=False, block_size=4)
+    assert on == want and off == want
+    s_on, s_off = eng_on.stats()["spec_decode"], eng_off.stats()["spec_decode"]
+    assert s_off["num_pauses"] == 0 and s_off["num_paused_steps"] == 0
+    if s_on["num_pauses"]:
+        assert s_on["num_paused_steps"] > 0 and s_on["num_drafts"] < s_off["num_drafts"], (s_on, s_off)
+
+
 def test_requests_that_cannot_speculate_decode_one_token_a_step(tiny_model):
     model, tok = tiny_model
     prompts = [[5, 9, 17, 5, 9, 17, 5, 9]]
@@ -175,6 +195,18 @@ def test_a_scheduler_that_does_not_declare_it_is_refused(tiny_model):
     model, tok = tiny_model
     with pytest.raises(ValueError, match="speculative_decoding"):
         LLMEngine(model, tok, scheduler_cls=Mine, speculative_config=SPEC)
+
+
+def test_a_block_table_whose_truncate_is_not_a_method_is_refused(tiny_model):
+    from minipaged.block_table import BlockTable
+
+    class Mine(BlockTable):
+        truncate = 5
+
+    model, tok = tiny_model
+    LLMEngine(model, tok, block_table_cls=Mine)  # without speculation the member is never used
+    with pytest.raises(TypeError, match="truncate is int, not a method"):
+        LLMEngine(model, tok, block_table_cls=Mine, speculative_config=SPEC)
 
 
 def test_request_metrics(tiny_model):

@@ -8,6 +8,7 @@
     06 scheduler         check_admission, check_preemption, check_rejection
     07 assemble          load_parts, check_engine
     08 prefix_cache      check_hash_chain, check_lookup_and_eviction, check_copy_on_write
+    09 spec_decode       check_proposer, check_truncate, check_serving
 
 Every check drives your code and the reference side by side on the same seeded operations,
 compares the state after each one, and stops at the first difference with what was done,

@@ -21,7 +21,11 @@ WORKBOOKS = [
     "06_scheduler",
     "07_assemble",
     "08_prefix_caching",
+    "09_speculative_decoding",
 ]
+# Workbooks whose checks load the model: a grader imports what the model load imports (torch._dynamo, which
+# rebinds torch.manual_seed) before it takes its snapshot, and the mutation script loads the model once.
+MODEL_WORKBOOKS = ("07_assemble", "09_speculative_decoding")
 CHECK_PREFIX = "# CHECK"
 _SEPARATORS = " _-.()[]"
 

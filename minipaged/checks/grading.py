@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import canonical, sandbox
-from ._workbooks import WORKBOOKS, identify, learner_from_name
+from ._workbooks import MODEL_WORKBOOKS, WORKBOOKS, identify, learner_from_name
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # escape sequences (CSI, OSC such as OSC 52, which writes the clipboard), then every control character
@@ -352,7 +352,7 @@ def grade_submission(sub: Submission, settings: Settings, siblings: list[Submiss
     work = _private_copy(sub, list(siblings), settings.scratch)
     inner = sandbox.SANDBOX_DIR if settings.use_bwrap else str(work)
     # torch._dynamo, imported while the model loads, rebinds torch.manual_seed: import it before the snapshot
-    preload = ["torch._dynamo", "minipaged.engine"] if sub.workbook == "07_assemble" else []
+    preload = ["torch._dynamo", "minipaged.engine"] if sub.workbook in MODEL_WORKBOOKS else []  # the model imports dynamo, which replaces torch.manual_seed
     job = json.dumps({"result_fd": -1, "key": key.hex(), "workdir": inner, "guard": not settings.use_bwrap,
                       "preload": preload, "copy_from": sandbox.SUBMITTED_DIR if settings.use_bwrap else "",
                       "cells": [asdict(c) for c in plan.cells]}).encode()

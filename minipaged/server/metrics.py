@@ -11,6 +11,13 @@ rejected requests by reason, prefix-cache queries and hits (tokens; present once
 a prefix cache). Histograms, per token: inter-token latency; per request (vLLM's request-level
 ones): time to first token, end-to-end latency, queue time, prefill time, decode time,
 inference time, prompt and generation token counts, ``n`` and ``max_tokens``.
+Speculative decoding (present once a draft has been verified), vLLM's counters:
+``spec_decode_num_drafts`` (verifying steps, one a sequence), ``spec_decode_num_draft_tokens``,
+``spec_decode_num_accepted_tokens`` and ``spec_decode_num_accepted_tokens_per_pos`` (label
+``position``: how often the draft token at that position was kept). They are fed from the
+engine's totals (``engine.stats()["spec_decode"]``, which :func:`spec_decode_counts` reads) when
+the loop puts them in ``LoopStats.extra["spec_decode"]``, else from each finished request's
+``metrics.spec_decode``.
 ``vllm:request_rejected_total``, ``vllm:request_aborted_total`` and the block counts are
 minipaged's own additions. ``parse_metrics`` also answers to the old ``minipaged:`` names.
 """
@@ -81,6 +88,10 @@ class ServerMetrics:
         self.req_max_tokens = hist("request_params_max_tokens", "The max_tokens of each finished request.", TOKEN_BUCKETS)
         self._seen_preemptions = 0
         self._seen_pc = {"queries": 0, "hits": 0}
+        self.spec: dict[str, Any] | None = None  # the spec-decode counters, registered at the first draft
+        self._seen_spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self._seen_spec_pos: list[int] = []
+        self._spec_from_engine = False  # the loop feeds the engine's totals: requests' counts are in them
 
     # -- hooks (called on the engine thread) -----------------------------------------------
     def on_step(self, st: Any) -> None:
@@ -92,13 +103,57 @@ class ServerMetrics:
         if st.num_preemptions > self._seen_preemptions:
             self.preemptions.inc(st.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = st.num_preemptions
-        if st.extra and self.pc_queries is None:
+        if "queries" in st.extra and self.pc_queries is None:
             self.pc_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
             self.pc_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         for key, metric in (("queries", self.pc_queries), ("hits", self.pc_hits)):
             if metric is not None and st.extra.get(key, 0) > self._seen_pc[key]:
                 metric.inc(st.extra[key] - self._seen_pc[key])
                 self._seen_pc[key] = st.extra[key]
+        if st.extra.get("spec_decode"):
+            self.on_spec_decode(st.extra["spec_decode"])
+
+    # -- speculative decoding ------------------------------------------------------------
+    def _spec_counters(self) -> dict[str, Any]:
+        if self.spec is None:
+            c = self._counter
+            self.spec = {
+                "num_drafts": c("spec_decode_num_drafts", "Drafts verified: one sequence's proposal in one step."),
+                "num_draft_tokens": c("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+                "num_accepted_tokens": c("spec_decode_num_accepted_tokens", "Draft tokens kept (equal to the target's)."),
+                "per_pos": Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                   "Draft tokens kept, by their position in the draft (0: the first).",
+                                   list(self._labels) + ["position"], registry=self.registry),
+            }
+        return self.spec
+
+    def _add_spec(self, counts: dict, totals: bool) -> None:
+        """``counts``: spec-decode counts (SpecDecoder.as_dict's keys); ``totals``: they are the engine's
+        running totals (count what is new since the last call), else one request's (count them all)."""
+        if not counts or not counts.get("num_drafts"):
+            return
+        m = self._spec_counters()
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            v = int(counts.get(key, 0))
+            add = v - self._seen_spec[key] if totals else v
+            if add > 0:
+                m[key].inc(add)
+                self._seen_spec[key] += add
+        pos = [int(x) for x in counts.get("accepted_per_pos") or []]
+        seen = self._seen_spec_pos
+        seen += [0] * (len(pos) - len(seen))
+        for i, v in enumerate(pos):
+            add = v - seen[i] if totals else v
+            child = m["per_pos"].labels(position=str(i), **self._labels)  # every position drafted shows, 0 or not
+            if add > 0:
+                child.inc(add)
+                seen[i] += add
+
+    def on_spec_decode(self, totals: dict) -> None:
+        """The engine's spec-decode totals so far (``engine.stats()["spec_decode"]``); from then on they
+        alone feed the counters (each finished request's counts are already in them)."""
+        self._spec_from_engine = True
+        self._add_spec(totals, totals=True)
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -134,6 +189,10 @@ class ServerMetrics:
         if scheduled is not None and last is not None:
             self.inference_time.observe(max(0.0, last - scheduled))
         self.success.labels(finished_reason=str(out.finish_reason), **self._labels).inc()
+        if not self._spec_from_engine:  # a request's own drafts, when the loop does not give the engine's totals
+            spec = get("spec_decode")
+            if isinstance(spec, dict):
+                self._add_spec(spec, totals=False)
 
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(reason=reason, **self._labels).inc()
@@ -144,6 +203,15 @@ class ServerMetrics:
     # -- exposition ------------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def spec_decode_counts(engine: Any) -> dict:
+    """``{"spec_decode": engine.stats()["spec_decode"]}`` for an engine with speculation on, else {}:
+    what an engine loop puts in ``LoopStats.extra`` for :meth:`ServerMetrics.on_step`."""
+    spec = getattr(engine, "spec", None)
+    if spec is not None and callable(getattr(spec, "as_dict", None)):
+        return {"spec_decode": spec.as_dict()}  # what engine.stats()["spec_decode"] holds, without the rest
+    return {}
 
 
 def parse_metrics(text: str) -> dict[str, float]:
