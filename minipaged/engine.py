@@ -45,7 +45,7 @@ from .prefix_cache import PrefixCache
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: F401 - vLLM's output types, importable from here too
 from .sampling import Sampler, SamplingParams, prompt_logprobs_of
 from .scheduler import Scheduler
-from .spec_decode import SpecDecoder, SpeculativeConfig
+from .spec_decode import CPU_DISABLE_BY_BATCH_SIZE, SpecDecoder, SpeculativeConfig
 
 
 @dataclass
@@ -240,7 +240,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.device)
         self.sampler = Sampler()
         # speculative decoding: n-gram drafts, verified in the step's one forward pass (None: off)
-        self.spec = SpecDecoder(spec, config.max_model_len) if spec is not None else None
+        self.spec = (SpecDecoder(spec, config.max_model_len,
+                                 disable_by_batch_size=CPU_DISABLE_BY_BATCH_SIZE if self.device.type == "cpu" else None)
+                     if spec is not None else None)
         self.sampler.decode = self._decode_token if tokenizer is not None else None  # Logprob.decoded_token
         self.requests: dict[str, _Request] = {}  # unfinished requests (finished ones are pruned)
         self._request_of: dict[str, str] = {}  # seq id of sample i >= 1 -> its request id

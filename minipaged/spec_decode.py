@@ -46,7 +46,13 @@ from typing import Any, Callable, Sequence as Seq
 
 from .parts import cdiv
 
-SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+# Where the engine runs on a CPU and ``disable_by_batch_size`` is not given: a step of more running
+# sequences proposes nothing. On a CPU a decode step turns compute-bound at a batch of about 4-8
+# (lesson 07's knee), so past it every draft row costs nearly a full token's compute and a step of
+# k + 1 rows a sequence runs slower than k + 1 plain steps would gain; on a GPU the knee is far
+# higher and vLLM's default (never disabled) is kept.
+CPU_DISABLE_BY_BATCH_SIZE = 8
 METHODS = ("ngram",)
 
 
@@ -63,6 +69,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     method: str = "ngram"
+    disable_by_batch_size: int | None = None  # no drafts in a step of more running sequences (None: never)
 
     @classmethod
     def from_dict(cls, spec: Any) -> "SpeculativeConfig | None":
@@ -110,11 +117,15 @@ class SpeculativeConfig:
                 f"speculative_config prompt_lookup_min={lo} > prompt_lookup_max={hi}: the shortest n-gram to look up "
                 "must not be longer than the longest"
             )
-        return cls(num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo, method=method)
+        off_at = spec.get("disable_by_batch_size")
+        off_at = None if off_at is None else count("disable_by_batch_size", off_at)
+        return cls(num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo, method=method,
+                   disable_by_batch_size=off_at)
 
     def as_dict(self) -> dict:
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
+                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min,
+                "disable_by_batch_size": self.disable_by_batch_size}
 
 
 # -- proposing ------------------------------------------------------------------------------------
@@ -327,10 +338,15 @@ class SpecDecoder:
     (``Scheduler.update``) rolls the rejected drafts back with :func:`rollback`. ``backoff``: pause a
     sequence's proposals while its drafts keep failing (:class:`Backoff`)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int | None = None, backoff: bool = True) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int | None = None, backoff: bool = True,
+                 disable_by_batch_size: int | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.backoff = backoff
+        # the config's value, else the engine's default for its device (CPU_DISABLE_BY_BATCH_SIZE on a CPU)
+        self.disable_by_batch_size = (config.disable_by_batch_size if config.disable_by_batch_size is not None
+                                      else disable_by_batch_size)
+        self.num_batch_off_steps = 0  # steps that proposed nothing because the batch was too large
         self.stats = SpecStats()
         self.per_seq: dict[Any, SpecStats] = {}
         self._backoff: dict[Any, Backoff] = {}
@@ -342,6 +358,11 @@ class SpecDecoder:
         """Give every running sequence that is about to decode its drafts (``seq.spec_token_ids``);
         every other one none."""
         c = self.config
+        if self.disable_by_batch_size is not None and len(running) > self.disable_by_batch_size:
+            for seq in running:  # a compute-bound step: drafts would cost more than they save
+                seq.spec_token_ids = []
+            self.num_batch_off_steps += 1
+            return
         for seq in running:
             drafts: list[int] = []
             if (seq.output_token_ids and seq.num_computed_tokens == seq.num_tokens - 1 and not seq.forks
@@ -422,12 +443,13 @@ class SpecDecoder:
         self._backoff.pop(seq_id, None)
 
     def as_dict(self) -> dict:
-        return {**self.config.as_dict(), **self.stats.as_dict(), "backoff": self.backoff,
-                "num_pauses": self.num_pauses, "num_paused_steps": self.num_paused_steps}
+        return {**self.config.as_dict(), "disable_by_batch_size": self.disable_by_batch_size, **self.stats.as_dict(),
+                "backoff": self.backoff, "num_pauses": self.num_pauses, "num_paused_steps": self.num_paused_steps,
+                "num_batch_off_steps": self.num_batch_off_steps}
 
 
 __all__ = [
-    "SPEC_KEYS", "SpeculativeConfig", "propose_ngram", "draft_room", "verify_run", "accept_greedy",
+    "SPEC_KEYS", "CPU_DISABLE_BY_BATCH_SIZE", "SpeculativeConfig", "propose_ngram", "draft_room", "verify_run", "accept_greedy",
     "accept_point_mass", "truncate_table", "rollback", "SpecStats", "speculates", "Backoff", "BACKOFF_AFTER",
     "PAUSE_FIRST", "PAUSE_MAX", "SpecDecoder",
 ]

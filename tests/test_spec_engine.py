@@ -13,7 +13,8 @@ from minipaged.parts import check_scheduler
 from minipaged.prefix_cache import check_prefix_cache
 from minipaged.sampling import SamplingParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PLAIN_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SPEC = {**PLAIN_SPEC, "disable_by_batch_size": 10_000}  # drafts at every batch size: the tests' many sequences speculate
 
 
 def _run(model, tok, prompts, params, spec=None, backoff=True, **kw):
@@ -207,6 +208,28 @@ def test_a_block_table_whose_truncate_is_not_a_method_is_refused(tiny_model):
     LLMEngine(model, tok, block_table_cls=Mine)  # without speculation the member is never used
     with pytest.raises(TypeError, match="truncate is int, not a method"):
         LLMEngine(model, tok, block_table_cls=Mine, speculative_config=SPEC)
+
+
+def test_no_drafts_in_a_step_of_more_sequences_than_disable_by_batch_size(tiny_model):
+    """vLLM's disable_by_batch_size; on a CPU its default is CPU_DISABLE_BY_BATCH_SIZE (past the
+    compute knee a draft row costs nearly a token's compute). The tokens never change."""
+    from minipaged.spec_decode import CPU_DISABLE_BY_BATCH_SIZE
+
+    model, tok = tiny_model
+    prompts = [[5, 9, 17, 5, 9, 17, 5, 9 + i] for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want, _ = _run(model, tok, prompts, params)
+    got, eng = _run(model, tok, prompts, params, {**SPEC, "disable_by_batch_size": 2})
+    st = eng.stats()["spec_decode"]
+    assert got == want and st["disable_by_batch_size"] == 2 and st["num_batch_off_steps"] > 0
+    got1, eng1 = _run(model, tok, prompts[:1], params, {**SPEC, "disable_by_batch_size": 2})
+    assert got1 == want[:1] and eng1.stats()["spec_decode"]["num_batch_off_steps"] == 0
+    assert eng1.stats()["spec_decode"]["num_drafts"] > 0
+    default = LLMEngine(model, tok, speculative_config=PLAIN_SPEC)
+    assert default.spec.disable_by_batch_size == CPU_DISABLE_BY_BATCH_SIZE
+    assert f"more than {CPU_DISABLE_BY_BATCH_SIZE} running" in default.plan.routes["speculative"]
+    with pytest.raises(ValueError, match="disable_by_batch_size must be an int >= 1"):
+        LLMEngine(model, tok, speculative_config={**SPEC, "disable_by_batch_size": 0})
 
 
 def test_request_metrics(tiny_model):

@@ -321,7 +321,13 @@ def build_plan(config: Any, model: nn.Module, device: torch.device, attention: A
             how_spec = "the whole-step call, each token a decode row"
         else:
             how_spec = f"the {'layers' if walk else 'model'} route (a prefill-shaped step)"
-        routes["speculative"] = f"ngram drafts: k+1 tokens a sequence verified in one step on {how_spec}"
+        from ..spec_decode import CPU_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        off_at = spec.disable_by_batch_size or (CPU_DISABLE_BY_BATCH_SIZE if device.type == "cpu" else None)
+        routes["speculative"] = (f"ngram drafts: k+1 tokens a sequence verified in one step on {how_spec}"
+                                 + (f"; no drafts in steps of more than {off_at} running sequences "
+                                    "(disable_by_batch_size)" if off_at else ""))
     plan = Plan(types.MappingProxyType(routes), types.MappingProxyType(refused), backend.name)
     return plan, {"backend": backend, "walk": walk, "elementwise": elementwise, "blocks": blocks, "packs": packs,
                   "whole": whole, "head": head, "pack_rows": config.max_num_seqs,
