@@ -113,6 +113,7 @@ class Parts:
     scheduler_cls: Any = None  # default: minipaged.Scheduler
     attention: Any = "auto"  # "auto", "torch", "triton", "reference", or a paged_attention function
     prefix_cache_cls: Any = None  # default: minipaged.prefix_cache.PrefixCache (used when prefix caching is on)
+    proposer: Any = None  # default: minipaged.spec_decode.propose_ngram (interfaces.ProposerFn; used when speculative_config is on)
     # (None means minipaged's own part: the engine fills them in, minipaged.engine.resolve_parts)
 
 

@@ -241,7 +241,8 @@ class LLMEngine:
         self.sampler = Sampler()
         # speculative decoding: n-gram drafts, verified in the step's one forward pass (None: off)
         self.spec = (SpecDecoder(spec, config.max_model_len,
-                                 disable_by_batch_size=CPU_DISABLE_BY_BATCH_SIZE if self.device.type == "cpu" else None)
+                                 disable_by_batch_size=CPU_DISABLE_BY_BATCH_SIZE if self.device.type == "cpu" else None,
+                                 proposer=parts.proposer)
                      if spec is not None else None)
         self.sampler.decode = self._decode_token if tokenizer is not None else None  # Logprob.decoded_token
         self.requests: dict[str, _Request] = {}  # unfinished requests (finished ones are pruned)

@@ -17,6 +17,7 @@ Constructors are part of the contract:
 - ``prefix_cache_cls(pool)`` -> a ``PrefixCacheProtocol`` in front of the block pool (when
   prefix caching is on)
 - ``attention``: a ``PagedAttentionFn`` (or a name, see ``minipaged.attention.get_backend``)
+- ``proposer``: a ``ProposerFn`` (speculative decoding's draft source, used with ``speculative_config``)
 
 A part says which non-default settings it supports with a class attribute ``supports``
 (a set of strings, e.g. ``{"chunked_prefill_off"}``), read from the class that defines the
@@ -197,6 +198,17 @@ class PagedAttentionFn(Protocol):
     ) -> "torch.Tensor": ...
 
 
+class ProposerFn(Protocol):
+    """``proposer(token_ids, num_tokens, min_n, max_n) -> list[int]``: up to ``num_tokens`` draft
+    tokens for a sequence whose tokens so far are ``token_ids`` (a list of ints, never changed),
+    looked up as an n-gram of ``min_n..max_n`` tokens; ``[]`` for none. The engine verifies every
+    draft, so a proposer can only change speed, never the greedy tokens.
+    See ``minipaged.spec_decode.propose_ngram`` for the reference rule.
+    """
+
+    def __call__(self, token_ids: "Seq[int]", num_tokens: int, min_n: int, max_n: int) -> "list[int]": ...
+
+
 PROTOCOL_MEMBERS: dict[type, tuple[str, ...]] = {
     BlockPool: ("num_blocks", "block_size", "num_free_blocks", "allocate", "free", "incref", "ref_count"),
     BlockTableProtocol: ("allocator", "block_size", "blocks", "num_tokens", "blocks_needed", "append_tokens", "slot_mapping", "free"),
@@ -211,5 +223,5 @@ OPTIONAL_MEMBERS: dict[type, dict[str, str]] = {
     BlockTableProtocol: {"truncate": "speculative_config"},
 }
 
-__all__ = ["BlockPool", "BlockTableProtocol", "SchedulerProtocol", "PrefixCacheProtocol", "PagedAttentionFn",
+__all__ = ["BlockPool", "BlockTableProtocol", "SchedulerProtocol", "PrefixCacheProtocol", "PagedAttentionFn", "ProposerFn",
            "PROTOCOL_MEMBERS", "OPTIONAL_MEMBERS"]

@@ -339,8 +339,9 @@ class SpecDecoder:
     sequence's proposals while its drafts keep failing (:class:`Backoff`)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int | None = None, backoff: bool = True,
-                 disable_by_batch_size: int | None = None) -> None:
+                 disable_by_batch_size: int | None = None, proposer: Callable | None = None) -> None:
         self.config = config
+        self.proposer = proposer  # propose_ngram's signature (interfaces.ProposerFn); None: propose_ngram
         self.max_model_len = max_model_len
         self.backoff = backoff
         # the config's value, else the engine's default for its device (CPU_DISABLE_BY_BATCH_SIZE on a CPU)
@@ -372,7 +373,7 @@ class SpecDecoder:
                     self.num_paused_steps += 1
                     k = 0
                 if k > 0:
-                    drafts = propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+                    drafts = (self.proposer or propose_ngram)(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
             seq.spec_token_ids = drafts
 
     def clear(self, seqs: Seq[Any]) -> None:

@@ -114,7 +114,8 @@ def _serve(eng, prompts: list[list[int]], batch: int, max_tokens: int, speculate
         eng._bench_spec = eng.spec
     proto = eng._bench_spec
     eng.spec = (SpecDecoder(proto.config, proto.max_model_len, backoff=proto.backoff,
-                            disable_by_batch_size=proto.disable_by_batch_size) if speculate else None)
+                            disable_by_batch_size=proto.disable_by_batch_size, proposer=proto.proposer)
+                if speculate else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     routes0, steps0 = dict(eng.route_counts), eng.num_steps
     tokens: list[list[int]] = []

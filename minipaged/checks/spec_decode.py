@@ -18,7 +18,6 @@ and while the learner's code runs: see _delegation.py).
 """
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 import warnings
@@ -483,8 +482,8 @@ def _state_text(state: tuple) -> str:
 
 
 class _Plugged:
-    """The learner's proposer in the engine's place of minipaged.spec_decode.propose_ngram, while the
-    learner's engine steps: each call is watched for delegation and compared with the reference's."""
+    """The learner's proposer as the engine's ``proposer`` part (``LLM(proposer=...)``, interfaces.ProposerFn):
+    each call is watched for delegation and compared with the reference's."""
 
     def __init__(self, fn: Callable) -> None:
         self.fn, self.calls, self.error = fn, 0, None
@@ -509,17 +508,6 @@ class _Plugged:
             raise self.error
         return got
 
-    @contextlib.contextmanager
-    def installed(self):
-        from .. import spec_decode
-
-        old = spec_decode.propose_ngram
-        spec_decode.propose_ngram = self
-        try:
-            yield
-        finally:
-            spec_decode.propose_ngram = old
-
 
 def check_serving(propose_fn: Callable, table_cls: type, timeout: float = 900) -> None:
     """Your proposer and block table serve SmolLM2 with ``speculative_config`` on; after every step the
@@ -538,11 +526,11 @@ def check_serving(propose_fn: Callable, table_cls: type, timeout: float = 900) -
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ref = LLM(model, tok, speculative_config=dict(SPEC), **ENGINE_ARGS).engine
-            with plugged.installed():
-                try:
-                    mine = LLM(model, tok, speculative_config=dict(SPEC), block_table_cls=table_cls, **ENGINE_ARGS).engine
-                except Exception as e:  # noqa: BLE001
-                    raise CheckFailed(f"{NAME}: the engine refused your block table: {describe_exception(e)}") from e
+            try:
+                mine = LLM(model, tok, speculative_config=dict(SPEC), block_table_cls=table_cls, proposer=plugged,
+                           **ENGINE_ARGS).engine
+            except Exception as e:  # noqa: BLE001
+                raise CheckFailed(f"{NAME}: the engine refused your block table: {describe_exception(e)}") from e
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
         for i, p in enumerate(PROMPTS):
             ref.add_request(f"p{i}", p, params)
@@ -566,7 +554,7 @@ def check_serving(propose_fn: Callable, table_cls: type, timeout: float = 900) -
             state["current"] = f"step {step} of the engine with your proposer and block table"
             plugged.step = step
             t = time.perf_counter()
-            with plugged.installed(), guarded("09", NAME), warnings.catch_warnings():
+            with guarded("09", NAME), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a request your code failed warns: the check says what raised
                 outs = mine.step()
             t_mine += time.perf_counter() - t
