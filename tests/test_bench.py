@@ -201,7 +201,10 @@ def test_run_bench_tiny(tiny_model, tmp_path):
     assert set(on["systems"]) == set(FACTORIAL) and len(on["rates_per_s"]) == 2
     for rows in on["systems"].values():
         for d in rows:
-            assert 0 <= d["goodput_req_per_s"] * d["seconds"] <= on["num_requests"]
+            # goodput over the offered window (requests / rate): the rate times the fraction that met the SLO
+            assert 0 <= d["goodput_req_per_s"] <= d["rate_per_s"]
+            assert d["goodput_req_per_s"] == pytest.approx(d["rate_per_s"] * d["slo_fraction"])
+            assert d["offered_window_s"] == pytest.approx(on["num_requests"] / d["rate_per_s"])
             assert d["ttft_p50_s"] <= d["ttft_p99_s"] and d["tpot_p50_s"] <= d["tpot_p99_s"]
     assert on["slo"]["ttft_s"] > 0 and "naive" in on["slo"]["rule"]
     assert res["shared_prefix"] == {"measured": False, "why": "not part of this run (the full bench measures it)"}
@@ -210,12 +213,30 @@ def test_run_bench_tiny(tiny_model, tmp_path):
     assert set(js["timelines"]) == {"naive", *FACTORIAL}
     table = format_table(res)
     assert "continuous_paged" in table and "KV waste" in table and "TPOT" in format_online(res)
+    assert "offered window" in format_online(res)
     paths = save_plots(res, tmp_path)
     assert {p.name for p in paths} >= {"throughput.png", "attribution.png", "online.png", "roofline.png", "timeline.png",
                                        "kv_usage.png", "page_table.png"}
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
     with pytest.raises(ValueError, match="unknown system"):
         run_bench(quick=True, model=model, systems=("continuous",), progress=False)
+
+
+def test_online_goodput_is_over_the_offered_window_also_for_older_json():
+    from minipaged.bench.serving import format_online, offered_goodput
+
+    # An older bench JSON divided by the run's length: 2 good requests in 3.49 s read 0.573 req/s at 9.69 offered.
+    old = {"rate_per_s": 9.69, "goodput_req_per_s": 2 / 3.49, "seconds": 3.49}
+    assert offered_goodput(old, 16) == pytest.approx(2 * 9.69 / 16)
+    # ... and 16 good requests in a short run read more than the offered rate; over the window it is the rate.
+    fast = {"rate_per_s": 1.2, "goodput_req_per_s": 16 / 9.0, "seconds": 9.0}
+    assert offered_goodput(fast, 16) == pytest.approx(1.2)
+    new = {"rate_per_s": 2.0, "goodput_req_per_s": 1.5, "slo_fraction": 0.75, "seconds": 9.0}
+    assert offered_goodput(new, 16) == 1.5
+    row = dict(fast, output_tokens_per_s=1.0, ttft_p50_s=0.1, ttft_p99_s=0.2, tpot_p50_s=0.01, tpot_p99_s=0.02)
+    text = format_online({"online": {"num_requests": 16, "slo": {"ttft_s": 1.0, "tpot_s": 0.1, "rule": "r"},
+                                     "systems": {"continuous_paged": [row]}}})
+    assert "offered window" in text and text.splitlines()[-1].endswith("1.200")
 
 
 def test_shared_prefix_place_and_measurement(tiny_model):

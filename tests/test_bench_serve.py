@@ -60,8 +60,51 @@ def test_summary_arithmetic_and_goodput():
     assert r["total_output_tokens"] == 23 and r["output_throughput"] == 23 / 4.0 and r["request_throughput"] == 0.75
     assert r["ttft_ms"]["p50"] == pytest.approx(200) and r["tpot_ms"]["mean"] == pytest.approx(200)
     assert r["itl_ms"]["mean"] == pytest.approx(200) and r["e2el_ms"]["p99"] == pytest.approx(np.percentile([1100, 3500, 200], 99))
-    # goodput: requests 1 (ttft 100, tpot 100) and 3 (ttft 200, no tpot) meet the SLO; 2 misses both
+    # goodput: requests 1 (ttft 100, tpot 100) and 3 (ttft 200, no tpot) meet the SLO; 2 misses both.
+    # Without a rate (everything at once) there is no offered window: divided by the run's 4 s.
     assert r["goodput"] == pytest.approx(2 / 4.0) and r["goodput_fraction"] == pytest.approx(2 / 4)
+    assert r["goodput_window"] == "run" and r["goodput_window_s"] == 4.0
+    assert summarize(rs, 4.0, 300, 200, rate=float("inf"))["goodput_window"] == "run"
+    # At 2 requests/s the 4 requests were offered over 4 / 2 = 2 s: goodput = 2 good / 2 s = the rate x the fraction.
+    at2 = summarize(rs, duration=4.0, slo_ttft_ms=300, slo_tpot_ms=200, rate=2.0)
+    assert at2["goodput_window"] == "offered" and at2["goodput_window_s"] == pytest.approx(2.0)
+    assert at2["goodput"] == pytest.approx(2 / 2.0) == pytest.approx(2.0 * at2["goodput_fraction"])
+    # A short run (the last end soon after the last arrival) no longer lifts goodput above the offered rate.
+    quick = summarize(rs, duration=0.5, slo_ttft_ms=300, slo_tpot_ms=200, rate=2.0)
+    assert quick["goodput"] == at2["goodput"] <= 2.0 and quick["request_throughput"] > 2.0
+
+
+def test_goodput_never_exceeds_the_offered_rate():
+    from minipaged.bench.serve import offered_window
+
+    rng = np.random.default_rng(0)
+    for rate in (0.5, 2.0, 8.0):
+        for n in (1, 7, 40):
+            rs = [Result(ok=True, prompt_len=4, output_len=5, send=float(i) / rate, ttft=float(rng.uniform(0, 0.4)),
+                         e2e=0.5) for i in range(n)]
+            r = summarize(rs, duration=float(rng.uniform(0.01, 10)), slo_ttft_ms=200, slo_tpot_ms=1000, rate=rate)
+            assert 0 <= r["goodput"] <= rate and r["goodput"] == pytest.approx(rate * r["goodput_fraction"])
+            assert r["goodput_window_s"] == pytest.approx(offered_window(n, rate)) == pytest.approx(n / rate)
+            every = summarize(rs, duration=1.0, slo_ttft_ms=1e9, slo_tpot_ms=1e9, rate=rate)
+            assert every["goodput"] == rate, "every request met the SLO: exactly the offered rate, not an ulp above"
+    assert offered_window(5, float("inf")) is None and offered_window(5, None) is None and offered_window(0, 2.0) is None
+
+
+def test_bootstrap_intervals_hold_the_estimate():
+    from minipaged.bench.serve import intervals
+
+    rng = np.random.default_rng(1)
+    rs = [Result(ok=True, prompt_len=4, output_len=9, send=i / 2.0, ttft=float(t), e2e=float(t) + 0.8)
+          for i, t in enumerate(rng.uniform(0.05, 0.5, 40))]
+    rep = summarize(rs, duration=25.0, slo_ttft_ms=300, slo_tpot_ms=200, rate=2.0)
+    rep["_results"] = rs
+    iv = intervals(rep)
+    lo, hi = iv["ttft_p50_ms"]
+    assert lo <= rep["ttft_ms"]["p50"] <= hi and hi - lo < 200
+    glo, ghi = iv["goodput"]
+    assert 0 <= glo <= rep["goodput"] <= ghi <= 2.0, "resampled goodput stays within the offered rate"
+    assert iv["tpot_p50_ms"] == pytest.approx((100.0, 100.0))
+    assert intervals(rep) == iv, "seeded"
 
 
 def test_comparison_table_leaves_missing_rows_to_others():
@@ -132,6 +175,8 @@ def test_bench_serve_is_bounded_in_time_and_counts_failures(server, tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
     assert rep["num_requests"] == 5, "with --duration 1 at 4 req/s, constant: requests at 0, .25, .5, .75, 1.0"
+    assert rep["goodput_window"] == "offered" and rep["goodput_window_s"] == pytest.approx(5 / 4) and rep["goodput"] <= 4.0
+    assert "over the offered window" in r.stdout
     bad = _bench("--url", server.url, "--model", "no-such-model", "--num-requests", "3", "--dataset", "fixed",
                  "--vocab-size", "512", "--json", str(out), "--no-progress")
     rep = json.loads(out.read_text())

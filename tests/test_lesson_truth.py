@@ -194,3 +194,40 @@ def test_preemption_recomputes_tokens():
     roomy = simulate_online(reqs, arr, COST, num_blocks=200)
     assert tight["preemptions"] > 0 and tight["recomputed_tokens"] > 0
     assert roomy["preemptions"] == 0 and roomy["recomputed_tokens"] == 0
+
+
+# -- lesson 09: online curves from a real server, with intervals, and a replay ----------------------
+def test_lesson_09_measures_enough_and_asserts_its_curves():
+    path = lesson("09")
+    md, code = text_of(path), text_of(path, "code")
+    assert "offered window" in md and "never exceed the offered rate" in md and "bootstrap interval" in md
+    assert "Which is which" in md, "the replay and the real runs must be told apart"
+    assert "N, factors = 40, (0.5, 1.0, 2.0)" in code and "load.intervals(r)" in code     # 40 requests a rate, intervals
+    assert "M, work = 400" in code and "draws = [replay(seed) for seed in (0, 1, 2)]" in code
+    assert 'r["goodput"] <= r["settings"]["rate"]' in code                                # real: goodput <= offered
+    assert 'y >= iv["ttft_p50_ms"][0] for y, iv in zip(p50[1:], ivs)' in code              # real: TTFT climbs
+    assert 'x["goodput_req_per_s"] <= x["rate_per_s"]' in code                             # replay: goodput <= offered
+    assert "x <= y * 1.02 for x, y in zip(p, p[1:])" in code                                # replay: TTFT climbs
+    outs = "\n".join(stream(c) for c in cells(path) if c["cell_type"] == "code")
+    assert "vllm:num_requests_running" in outs and not re.search(r"^minipaged:\w+[{ ]", outs, re.M), (
+        "the stored /metrics must show vLLM's names")
+    offered = re.findall(r"([\d.]+) req/s offered -> goodput ([\d.]+) req/s", outs)
+    assert len(offered) == 3 and all(float(g) <= float(r) for r, g in offered), offered
+    assert len(re.findall(r"x capacity, +[\d.]+ req/s: 40 done", outs)) == 3
+    assert "TTFT p50 climbs with the rate and past capacity is queueing" in outs
+
+
+def test_lesson_09_replay_climbs_for_any_step_cost():
+    """The server's settings (8 seats, a 512-token budget, 364 blocks) and its 32+16-token requests: on
+    a CPU-like cost, a GPU-like one (wider steps nearly free) and a prefill-heavy one, TTFT climbs and
+    goodput stays at or under the offered rate."""
+    work = [(32, 16)] * 200
+    gaps = poisson_arrivals(200, 1.0, seed=0)
+    for a, b, c in [(0.011, 0.003, 0.0013), (0.02, 0.0, 0.0002), (0.01, 0.001, 0.01)]:
+        capacity = 8 / (16 * (a + 8 * b) + 32 * c)
+        rows = [online_summary(simulate_online(work, [g / r for g in gaps], step_cost(a, b, c), num_blocks=364,
+                                               max_num_seqs=8, max_num_batched_tokens=512), work, r, SLO)
+                for r in (0.25 * capacity, capacity, 2 * capacity)]
+        p50 = [d["ttft_p50_s"] for d in rows]
+        assert all(x <= y * 1.02 for x, y in zip(p50, p50[1:])) and p50[-1] > 3 * p50[0], ((a, b, c), p50)
+        assert all(0 <= d["goodput_req_per_s"] <= d["rate_per_s"] for d in rows)

@@ -180,6 +180,8 @@ def test_some_outputs_are_checked_and_stored():
 # The cells whose asserts make a lesson fail when the code under it breaks (tests/test_planted_bugs.py
 # shows it for the kernel, the reference attention, the allocator and the scheduler).
 ASSERTED = {
+    "09_serving": ['r["goodput"] <= r["settings"]["rate"]', "x <= y * 1.02 for x, y in zip(p, p[1:])",
+                   'x["goodput_req_per_s"] <= x["rate_per_s"]'],
     "00_setup_and_tour": ["Paris", 'st["steps"]', '"".join(pieces)'],
     "01_kv_cache": ["kv_bytes_per_token ==", 'r["contiguous_seqs"] ==', "naive.trace.kv_waste() >=", "paged < 0.04",
                     "verdicts[3]", "my_reservations =="],

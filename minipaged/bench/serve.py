@@ -12,7 +12,11 @@ or ``/v1/chat/completions`` with ``stream: true``), so it never imports the engi
 
 Definitions (as vLLM's benchmark uses them): TTFT = first token's arrival - send time;
 TPOT = (end - first token) / (output tokens - 1); ITL = the gaps between consecutive streamed
-chunks; goodput = requests per second that met every SLO.
+chunks; goodput = the requests that met every SLO divided by the **offered window**, the time
+over which the load was offered (requests sent / rate), i.e. the offered rate times the fraction
+that met the SLO, so it never exceeds the offered rate. With ``--rate inf`` (everything sent at
+once) there is no offered window, and goodput is divided by the run's length instead (vLLM's
+benchmark divides by the run's length at every rate); the report says which (``goodput_window``).
 """
 from __future__ import annotations
 
@@ -181,12 +185,27 @@ def _stats(xs: list[float]) -> dict:
     return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}}
 
 
-def summarize(results: list[Result], duration: float, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
-    """The run's figures. Latencies in milliseconds; throughputs per second of ``duration``."""
+def offered_window(num_requests: int, rate: float | None) -> float | None:
+    """Seconds over which ``num_requests`` at ``rate`` requests/s were offered (``num_requests / rate``);
+    None when there is none (no rate given, or ``rate=inf``: everything sent at once)."""
+    if rate is None or not math.isfinite(rate) or rate <= 0 or num_requests < 1:
+        return None
+    return num_requests / rate
+
+
+def summarize(results: list[Result], duration: float, slo_ttft_ms: float, slo_tpot_ms: float,
+              rate: float | None = None) -> dict:
+    """The run's figures. Latencies in milliseconds; throughputs per second of ``duration``.
+
+    Goodput is the requests that met both SLOs divided by the offered window (``len(results) /
+    rate``): the offered rate times the fraction that met the SLO, never above ``rate``. Without a
+    finite ``rate`` it is divided by ``duration`` (``goodput_window`` says which)."""
     ok = [r for r in results if r.ok]
     out_tok = sum(r.output_len for r in ok)
     in_tok = sum(r.prompt_len for r in ok)
     good = [r for r in ok if r.ttft * 1000 <= slo_ttft_ms and r.tpot * 1000 <= slo_tpot_ms]
+    offered = offered_window(len(results), rate)
+    window = offered if offered else (duration if duration > 0 else 0.0)
     errors: dict[str, int] = {}
     for r in results:
         if not r.ok:
@@ -207,9 +226,38 @@ def summarize(results: list[Result], duration: float, slo_ttft_ms: float, slo_tp
         "itl_ms": _stats([x for r in ok for x in r.itl]),
         "e2el_ms": _stats([r.e2e for r in ok]),
         "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
-        "goodput": len(good) / duration if duration > 0 else 0.0,
+        # over the offered window: the rate times the fraction (exactly the rate when every request met the SLO)
+        "goodput": (rate * (len(good) / len(results)) if offered else len(good) / window) if window else 0.0,
         "goodput_fraction": len(good) / len(results) if results else 0.0,
+        "goodput_window_s": window,
+        "goodput_window": "offered" if offered else "run",
     }
+
+
+def intervals(report: dict, level: float = 0.9, resamples: int = 1000, seed: int = 0) -> dict:
+    """Bootstrap intervals (``level``, over the run's requests drawn again with replacement) for the
+    p50 TTFT and TPOT (ms) and goodput (req/s, over the same window as the report's): how much
+    each number could move had the same load brought other requests. ``{"ttft_p50_ms": (lo, hi), ...}``."""
+    res = report["_results"]
+    slo, window = report["slo"], report["goodput_window_s"]
+    n = len(res)
+    if n == 0 or not window:
+        return {k: (None, None) for k in ("ttft_p50_ms", "tpot_p50_ms", "goodput")}
+    ok = np.array([r.ok for r in res])
+    ttft = np.array([r.ttft for r in res]) * 1000.0
+    tpot = np.array([r.tpot for r in res]) * 1000.0
+    has_tpot = np.array([r.output_len > 1 for r in res])
+    good = ok & (ttft <= slo["ttft_ms"]) & (tpot <= slo["tpot_ms"])
+    idx = np.random.default_rng(seed).integers(0, n, (resamples, n))
+    q = (100 * (1 - level) / 2, 100 * (1 + level) / 2)
+
+    def p50(values: np.ndarray, mask: np.ndarray) -> tuple:
+        meds = [np.median(values[i][mask[i]]) for i in idx if mask[i].any()]
+        return tuple(float(x) for x in np.percentile(meds, q)) if meds else (None, None)
+
+    gp = good[idx].sum(axis=1) / window
+    return {"ttft_p50_ms": p50(ttft, ok), "tpot_p50_ms": p50(tpot, ok & has_tpot),
+            "goodput": tuple(float(x) for x in np.percentile(gp, q))}
 
 
 async def _fetch_model(client, url: str) -> str:
@@ -321,7 +369,7 @@ def run_load(url: str, rate: float = float("inf"), num_requests: int = 32, datas
     results, duration, model = _run(run_load_async(
         url, reqs, times, model, endpoint, max_concurrency, duration_s, timeout_s, ignore_eos=ignore_eos,
         progress=progress, on_tick=on_tick))
-    report = summarize(results, duration, slo_ttft_ms, slo_tpot_ms)
+    report = summarize(results, duration, slo_ttft_ms, slo_tpot_ms, rate=rate)
     report["settings"] = {
         "url": url, "model": model, "endpoint": endpoint, "dataset": dataset, "num_requests": num_requests,
         "rate": rate if math.isfinite(rate) else "inf", "arrival": arrival, "burst_size": burst_size, "seed": seed,
@@ -417,8 +465,10 @@ def format_report(r: dict) -> str:
             lines.append(f"{name:12s} (no data)")
         else:
             lines.append(f"{name:12s} mean {st['mean']:8.1f} ms  p50 {st['p50']:8.1f}  p90 {st['p90']:8.1f}  p99 {st['p99']:8.1f}")
+    over = (f"over the offered window of {r['goodput_window_s']:.1f} s = requests / rate" if r.get("goodput_window") == "offered"
+            else f"over the run's {r['duration_s']:.1f} s: no offered window at rate {s['rate']}")
     lines.append(f"goodput: {r['goodput']:.2f} req/s ({r['goodput_fraction']:.0%} of requests met TTFT <= {r['slo']['ttft_ms']:.0f} ms "
-                 f"and TPOT <= {r['slo']['tpot_ms']:.0f} ms)")
+                 f"and TPOT <= {r['slo']['tpot_ms']:.0f} ms; {over})")
     for err, n in r["errors"].items():
         lines.append(f"  {n} x {err}")
     return "\n".join(lines)

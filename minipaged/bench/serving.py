@@ -159,19 +159,24 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return [0.0, *np.cumsum(gaps[1:]).tolist()]
 
 
-def goodput(res: ServeResult, requests: list, ids: list[int], slo: dict, window_s: float | None = None) -> float:
-    """Requests per second that met the SLO (TTFT and TPOT both within it).
-
-    Divided by ``window_s``, the offered window (``n / rate``: the time over which the load was
-    offered), when given, so goodput is the offered rate times the fraction that met the SLO and
-    can never exceed the offered rate; else by the run's length (the older definition)."""
+def slo_met(res: ServeResult, requests: list, ids: list[int], slo: dict) -> int:
+    """How many of ``ids`` met the SLO (TTFT and TPOT both within it)."""
     ok = 0
     for i in ids:
         ttft = res.first_token[i] - res.arrival[i]
         n = requests[i][1]
         tpot = (res.finish[i] - res.first_token[i]) / (n - 1) if n > 1 else 0.0
         ok += ttft <= slo["ttft_s"] and tpot <= slo["tpot_s"]
-    return ok / (window_s if window_s else res.seconds)
+    return ok
+
+
+def goodput(res: ServeResult, requests: list, ids: list[int], slo: dict, window_s: float | None = None) -> float:
+    """Requests per second that met the SLO (TTFT and TPOT both within it).
+
+    Divided by ``window_s``, the offered window (``n / rate``: the time over which the load was
+    offered), when given, so goodput is the offered rate times the fraction that met the SLO and
+    can never exceed the offered rate; else by the run's length (the older definition)."""
+    return slo_met(res, requests, ids, slo) / (window_s if window_s else res.seconds)
 
 
 def online_sweep(model, requests: list, rates: list[float], slo: dict, systems: tuple[str, ...], seed: int,
@@ -184,7 +189,9 @@ def online_sweep(model, requests: list, rates: list[float], slo: dict, systems: 
             arr = poisson_arrivals(len(requests), rate, seed + k)
             res = run_system(model, name, requests, arrivals=arr, progress=False, **engine_kw)
             d = latency_summary(res, requests, ids)
-            d.update(rate_per_s=rate, goodput_req_per_s=goodput(res, requests, ids, slo),
+            frac = slo_met(res, requests, ids, slo) / len(ids)
+            # goodput over the offered window (len(ids) / rate): the rate times the fraction, never above the rate
+            d.update(rate_per_s=rate, goodput_req_per_s=rate * frac, slo_fraction=frac, offered_window_s=len(ids) / rate,
                      busy_fraction=res.busy_seconds / res.seconds if res.seconds else None)
             rows.append(d)
             if progress:
@@ -280,7 +287,7 @@ def online_summary(sim: dict, requests: list[tuple[int, int]], rate: float, slo:
     return {"rate_per_s": rate, "num_requests": len(ids),
             "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "tpot_p50_s": _pct(tpot, 50),
             "tpot_p99_s": _pct(tpot, 99), "max_gap_s": max(gaps, default=0.0),
-            "goodput_req_per_s": ok * rate / len(ids), "slo_fraction": ok / len(ids),
+            "goodput_req_per_s": rate * (ok / len(ids)), "slo_fraction": ok / len(ids),
             "output_tokens_per_s": out_tokens / sim["seconds"], "preemptions": sim["preemptions"]}
 
 
@@ -536,6 +543,16 @@ def format_attribution(result: dict) -> str:
     return "\n".join(lines)
 
 
+def offered_goodput(d: dict, num_requests: int) -> float:
+    """One online row's goodput over the offered window (``num_requests / rate``). A row from an
+    older bench JSON (goodput divided by the run's ``seconds``) is converted: the requests that met
+    the SLO are ``goodput x seconds``."""
+    if "slo_fraction" in d:
+        return d["goodput_req_per_s"]
+    good = round(d["goodput_req_per_s"] * d["seconds"])
+    return good * d["rate_per_s"] / num_requests
+
+
 def format_online(result: dict) -> str:
     on = result.get("online")
     if not on:
@@ -546,11 +563,12 @@ def format_online(result: dict) -> str:
         for d in rs:
             rows.append((name, f"{d['rate_per_s']:.3f}", f"{d['output_tokens_per_s']:.1f}", f"{d['ttft_p50_s']:.2f}s",
                          f"{d['ttft_p99_s']:.2f}s", f"{d['tpot_p50_s']:.3f}s", f"{d['tpot_p99_s']:.3f}s",
-                         f"{d['goodput_req_per_s']:.3f}"))
+                         f"{offered_goodput(d, on['num_requests']):.3f}"))
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"online: {on['num_requests']} requests ({on['workload']['description'] if on.get('workload') else ''}), "
              f"Poisson arrivals at {', '.join(f'{x:g}' for x in on.get('rate_factors', []))}x naive's capacity; SLO TTFT <= {slo['ttft_s']:.2f}s and "
-             f"TPOT <= {slo['tpot_s']:.3f}s ({slo['rule']}); goodput = requests/s meeting both"]
+             f"TPOT <= {slo['tpot_s']:.3f}s ({slo['rule']}); goodput = requests meeting both / the offered window "
+             f"({on['num_requests']} requests / the rate), never above the rate"]
     lines += ["  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
     lines.insert(2, "  ".join("-" * x for x in w))
     return "\n".join(lines)
