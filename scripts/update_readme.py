@@ -259,12 +259,40 @@ def tp_block() -> str:
     return "\n".join(lines)
 
 
+def validation_block() -> str:
+    """The simulated GPU's cost model against this CPU (scripts/validate_simgpu_cpu.py)."""
+    p = ROOT / "docs" / "figures" / "simgpu_cpu_validation.json"
+    if not p.exists():
+        return "(run `python scripts/validate_simgpu_cpu.py` to measure)"
+    r = json.loads(p.read_text())
+    m, c, t = r["machine"], r["calibration"], r["target_error"]
+    lines = [f"`python scripts/validate_simgpu_cpu.py` on this CPU (read {m['read_GBps']:.1f} GB/s, fp32 GEMM "
+             f"{m['gemm_GFLOPs']:.0f} GFLOP/s), {r['model']['name']} on the plain route; one calibration for every row "
+             f"(step overhead {c['step_overhead_s'] * 1e3:.1f} ms, {c['seq_overhead_s'] * 1e3:.2f} ms a sequence, "
+             f"{c['compute_efficiency']:.2f} of the GEMM rate, bandwidth as measured); target: within {t:.0%}.", "",
+             "| what | measured | predicted | error |", "| --- | ---: | ---: | ---: |"]
+    for s in r["steps"]:
+        if s["role"] == "validation":
+            lines.append(f"| decode step, batch {s['batch']} | {s['measured_s'] * 1e3:.1f} ms | {s['predicted_s'] * 1e3:.1f} ms "
+                         f"| {s['error']:+.0%} |")
+    w = r["workload"]
+    lines.append(f"| {w['requests']} requests through the simulated scheduler | {w['measured']['tokens_per_s']:.1f} tok/s "
+                 f"| {w['simulated']['tokens_per_s']:.1f} tok/s | {w['simulated']['error']:+.0%} |")
+    for name, cell in (r.get("factorial") or {}).get("cells", {}).items():
+        lines.append(f"| factorial bench: {name} | {cell['measured']['tokens_per_s']:.1f} tok/s "
+                     f"| {cell['predicted']['tokens_per_s']:.1f} tok/s | {cell['error']:+.0%} |")
+    lines.append("")
+    lines.append(f"Within {t:.0%} everywhere: {'yes' if r['within_target'] else 'no'}.")
+    return "\n".join(lines)
+
+
 BLOCKS = {"badges": badges_block, "ablation": ablation_block, "timings": timings_block, "bench": bench_block, "bench_quick": bench_quick_block,
           "bench_quick_fp32": bench_quick_fp32_block,
           "speed": speed_block,
           "profile": profile_block,
           "tp": tp_block,
-          "spec": spec_block}
+          "spec": spec_block,
+          "simgpu_validation": validation_block}
 
 
 def render(text: str) -> str:
