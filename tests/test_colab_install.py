@@ -45,6 +45,32 @@ def test_cell_skips_the_install_when_minipaged_is_there(monkeypatch, tmp_path):
     assert calls == []
 
 
+def test_colab_installs_and_opens_the_pinned_release_of_this_version():
+    """Never a moving branch: the tag of this package's version, set in one place."""
+    import tomllib
+
+    import minipaged
+    from minipaged import colab
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert minipaged.__version__ == version
+    assert colab.RELEASE == f"v{version}"
+    assert install_commands()[0][-1] == f"minipaged @ git+{colab.REPO_URL}@{colab.RELEASE}"
+    assert colab.colab_badge_url("notebooks/00_setup_and_tour.ipynb").endswith(f"/blob/{colab.RELEASE}/notebooks/00_setup_and_tour.ipynb")
+    readme = (ROOT / "README.md").read_text()
+    assert "/blob/main/" not in readme and "@main" not in readme, "the README's Colab links must open the pinned release"
+
+
+def test_the_first_cell_prints_the_version_and_the_route(monkeypatch, capsys):
+    import minipaged
+
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    exec(compile(install_cell_source(), "<install cell>", "exec"), {"__name__": "__main__"})
+    out = capsys.readouterr().out
+    assert f"minipaged {minipaged.__version__} ready" in out
+    assert "a default LLM() runs" in out and ("CPU" in out or "GPU" in out)
+
+
 COLAB_IPYWIDGETS = "ipywidgets==7.7.1"  # what Colab ships (JupyterLab 4 needs 8: the course extra)
 
 
