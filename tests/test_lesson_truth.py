@@ -121,7 +121,7 @@ def test_lesson_06_teaches_the_trade_off_and_asserts_its_curves():
     for phrase in ("offered window", "chunked prefill", "decode stall", "goodput inversion", "recompute", "swap",
                    "max_num_batched_tokens"):
         assert phrase in md, phrase
-    assert "N := 400" in code and "sweeps = [sweep(seed) for seed in (0, 1, 2)]" in code
+    assert "N = 400" in code and "sweeps = [sweep(seed) for seed in (0, 1, 2)]" in code
     assert 'd["goodput_req_per_s"] <= d["rate_per_s"]' in code                       # goodput never above the rate
     assert "x <= y * 1.02 for x, y in zip(p50, p50[1:])" in code                     # TTFT climbs
     assert "configs = [(True, 32)" in code and "(False, 1024)" in code                # the budget / chunking sweep
