@@ -6,7 +6,8 @@
 #   1. python -m minipaged.bench kernels   paged decode GB/s vs copy bandwidth, SDPA and flex (JSON + table)
 #   2. the Triton kernel tests, bf16 included (they are skipped in the CPU interpreter)
 #   3. lesson 05 (its speed cell runs the compiled kernel on the GPU) and the solved workbook 05
-#   4. LLM() on CUDA against the CPU path: greedy tokens, fp32 and bf16
+#   4. lessons 06 and 07 (their measurements and lesson 07's roofline, on the device the model is on)
+#   5. LLM() on CUDA against the CPU path: greedy tokens, fp32 and bf16
 #
 # Without a CUDA GPU it stops at once with exit status 2 and says so; nothing is measured.
 # Each step has its own time limit, so one slow step cannot eat the others' time. The exit
@@ -44,13 +45,17 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 "$PY" -c "import torch; p = torch.cuda.get_device_properties(0); print(f'device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}')"
-step kernels 230 "$PY" -m minipaged.bench kernels --batch 1 16 64 --context 512 4096 --json "$OUT/kernels.json"
-step kernel_tests 90 "$PY" -m pytest -q -x tests/test_triton_attention.py
-step lesson05 50 "$PY" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=45 \
+step kernels 120 "$PY" -m minipaged.bench kernels --batch 1 64 --context 512 4096 --json "$OUT/kernels.json"
+step kernel_tests 80 "$PY" -m pytest -q -x tests/test_triton_attention.py
+step lesson05 45 "$PY" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=40 \
     notebooks/05_triton_kernel.ipynb --output-dir "$OUT" --output lesson05_executed.ipynb
-step workbook05 50 "$PY" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=45 \
+step workbook05 40 "$PY" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=35 \
     solutions/05_triton_decode_kernel.ipynb --output-dir "$OUT" --output workbook05_executed.ipynb
-step llm_cuda 60 "$PY" - "$OUT/llm_cuda.json" <<'EOF'
+step lesson06 60 "$PY" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=55 \
+    notebooks/06_continuous_batching.ipynb --output-dir "$OUT" --output lesson06_executed.ipynb
+step lesson07 90 "$PY" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=85 \
+    notebooks/07_whole_engine.ipynb --output-dir "$OUT" --output lesson07_executed.ipynb
+step llm_cuda 45 "$PY" - "$OUT/llm_cuda.json" <<'EOF'
 """LLM() on CUDA (Triton attention) against the CPU path (PyTorch attention), greedy."""
 import json, sys, time
 import torch
