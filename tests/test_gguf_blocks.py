@@ -219,8 +219,13 @@ def test_the_executor_serves_each_linear_from_its_blocks_and_adds_the_bias():
         meta = AttentionMetadata(torch.arange(20), torch.arange(5, dtype=torch.int32)[None],
                                  torch.tensor([20], dtype=torch.int32), torch.tensor([0, 20], dtype=torch.int32), 0)
         got, want = eng.executor.forward(ids, pos, meta), plain.executor.forward(ids, pos, meta)
-        assert eng.executor.last_route == "layers" and plain.executor.last_route == "model"
+        # a short prefill's tokens attend as decode rows (cpu.attention.tokens_as_decodes): the one call
+        assert eng.executor.last_route == "whole_step" and plain.executor.last_route == "model"
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # the plain route adds the biases
+        walk = _engine(model, **{**ALL_ON, "prefill_as_decodes": False})  # the same prefill, layer by layer
+        got_walk = walk.executor.forward(ids, pos, meta)
+        assert walk.executor.last_route == "layers"
+        torch.testing.assert_close(got_walk, want, rtol=1e-4, atol=1e-4)
 
 
 @needs_kernels
