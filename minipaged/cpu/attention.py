@@ -31,6 +31,14 @@ PREFILL_AS_DECODES_MAX_CONTEXT = 256
 SHORT_QUERY_AS_DECODES = 16
 
 
+def decode_rows(block_tables: torch.Tensor, seqs, q_lens, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each new token of sequences ``seqs`` as one decode query: its sequence's block-table row,
+    and its causal context length (``ctx - q_len + i + 1`` for the sequence's ``i``-th new token)."""
+    rows = torch.tensor([s for s in seqs for _ in range(q_lens[s])], dtype=torch.long, device=block_tables.device)
+    lens = torch.tensor([ctx[s] - q_lens[s] + i + 1 for s in seqs for i in range(q_lens[s])], dtype=torch.int32)
+    return block_tables.index_select(0, rows), lens
+
+
 def tokens_as_decodes(q_lens, ctx) -> bool:
     """True where each new token of these sequences may attend as its own decode query: every
     context is short, or every query is (a verifying step's k + 1 tokens)."""
@@ -66,9 +74,7 @@ class CPUAttention:
         cached = self._step_rows
         if cached is not None and cached[0] is block_tables and cached[1] == key and torch.equal(cached[2], block_tables):
             return cached[3]
-        rows = torch.tensor([s for s in rest for _ in range(q_lens[s])], dtype=torch.long, device=block_tables.device)
-        lens = torch.tensor([ctx[s] - q_lens[s] + i + 1 for s in rest for i in range(q_lens[s])], dtype=torch.int32)
-        result = (block_tables.index_select(0, rows), lens)
+        result = decode_rows(block_tables, rest, q_lens, ctx)
         self._step_rows = (block_tables, key, block_tables.clone(), result)
         return result
 
@@ -112,4 +118,4 @@ class CPUAttention:
         return out
 
 
-__all__ = ["CPUAttention", "PREFILL_AS_DECODES_MAX_CONTEXT", "SHORT_QUERY_AS_DECODES", "tokens_as_decodes"]
+__all__ = ["CPUAttention", "PREFILL_AS_DECODES_MAX_CONTEXT", "SHORT_QUERY_AS_DECODES", "decode_rows", "tokens_as_decodes"]

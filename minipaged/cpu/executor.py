@@ -402,17 +402,16 @@ class Executor:
         so the same bits. None where the step does not qualify."""
         if not self._rows_as_decodes:
             return None
-        from .attention import tokens_as_decodes
+        from .attention import decode_rows, tokens_as_decodes
 
         qsl = meta.query_start_loc.tolist()
         ctx = meta.context_lens.tolist()
         q_lens = [qsl[s + 1] - qsl[s] for s in range(len(ctx))]
         if sum(q_lens) != n or any(q < 1 or q > c for q, c in zip(q_lens, ctx)) or not tokens_as_decodes(q_lens, ctx):
             return None
-        rows = torch.tensor([s for s, q in enumerate(q_lens) for _ in range(q)], dtype=torch.long)
-        lens = torch.tensor([c - q + i + 1 for q, c in zip(q_lens, ctx) for i in range(q)], dtype=torch.int32)
-        return AttentionMetadata(slot_mapping=meta.slot_mapping, block_tables=meta.block_tables.index_select(0, rows),
-                                 context_lens=lens, query_start_loc=torch.arange(n + 1, dtype=torch.int32), num_decodes=n)
+        tables, lens = decode_rows(meta.block_tables, range(len(ctx)), q_lens, ctx)
+        return AttentionMetadata(slot_mapping=meta.slot_mapping, block_tables=tables, context_lens=lens,
+                                 query_start_loc=torch.arange(n + 1, dtype=torch.int32), num_decodes=n)
 
     def _linear(self, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         b = self._blocks.get(m)
