@@ -342,6 +342,27 @@ def failure(title: str, *, done: str = "", expected: str = "", got: str = "", pi
         parts.append("Hint: " + hint)
     return CheckFailed("\n\n".join(p.rstrip() for p in parts if p))
 
+class Story:
+    """One story a check plays on the reference and on the learner's part side by side: ``label``
+    (which story), ``log`` (the operations so far, as code to replay), ``stats`` (the check's shared
+    progress) and the check's ``check_name`` are set by the subclass."""
+
+    check_name = ""
+    label: str
+    log: Log
+    stats: dict
+
+    def story(self) -> str:
+        return f"Run: {self.label}.\n" + self.log.render()
+
+    def call(self, fn, *args, what: str):
+        self.stats["current"] = f"{what}  ({self.label})"
+        return learner_call(fn, *args, what=what, context=self.story)
+
+    def fail(self, title: str, **kw) -> CheckFailed:
+        return failure(f"{self.check_name}: {title}", done=self.story(), **kw)
+
+
 
 def is_stub(fn: Any) -> bool:
     """True if ``fn``'s source still holds the generated `raise NotImplementedError()` line."""

@@ -20,6 +20,7 @@ from ..parts import fork_table
 from ..prefix_cache import ROOT_HASH, PrefixCache, copy_on_write as ref_copy_on_write
 from ._delegation import guarded
 from ._core import (
+    Story,
     DEFAULT_TIMEOUT_S,
     CheckFailed,
     Log,
@@ -130,8 +131,10 @@ def _short(h: Any) -> str:
 
 
 # -- lookup, caching and eviction -----------------------------------------------------------------
-class _Run:
+class _Run(Story):
     """One story played on both caches: ``ref`` (minipaged.PrefixCache) and ``mine``."""
+
+    check_name = NAME
 
     def __init__(self, cls: type, num_blocks: int, block_size: int, label: str, stats: dict) -> None:
         self.cls, self.label, self.stats = cls, label, stats
@@ -141,16 +144,6 @@ class _Run:
         self.mine = self.call(cls, BlockAllocator(num_blocks, block_size), what=f"{cls.__name__}(BlockAllocator({num_blocks}, {block_size}))")
         self.seqs: list[tuple[list[int], list[int]]] = []  # (tokens, blocks): the block tables the story holds
         self.compare("creating the cache", op="create")
-
-    def story(self) -> str:
-        return f"Run: {self.label}.\n" + self.log.render()
-
-    def call(self, fn, *args, what: str):
-        self.stats["current"] = f"{what}  ({self.label})"
-        return learner_call(fn, *args, what=what, context=self.story)
-
-    def fail(self, title: str, **kw) -> CheckFailed:
-        return failure(f"{NAME}: {title}", done=self.story(), **kw)
 
     # -- state ------------------------------------------------------------------------------
     def compare(self, after: str, op: str = "", hint: str = "") -> None:

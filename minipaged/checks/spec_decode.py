@@ -31,6 +31,7 @@ from ..spec_decode import propose_ngram as ref_propose
 from ..spec_decode import truncate_table as ref_truncate_table
 from . import _delegation
 from ._core import (
+    Story,
     DEFAULT_TIMEOUT_S,
     CheckFailed,
     Log,
@@ -220,8 +221,10 @@ def _refuse_table(cls: Any) -> None:
         raise CheckFailed(f"{NAME}: {e}. Keep the members the workbook's skeleton gives.") from None
 
 
-class _Run:
+class _Run(Story):
     """One story on both sides: minipaged's BlockTable (rolled back by minipaged.spec_decode.truncate_table) and yours."""
+
+    check_name = NAME
 
     def __init__(self, cls: type, num_blocks: int, block_size: int, label: str, stats: dict) -> None:
         self.cls, self.label, self.stats, self.bs = cls, label, stats, block_size
@@ -234,16 +237,6 @@ class _Run:
         self.ref: list = [BlockTable(self.ref_alloc)]
         self.mine: list = [self.call(cls, self.my_alloc, what=f"{cls.__name__}(pool)")]
         self.compare("creating the table")
-
-    def story(self) -> str:
-        return f"Run: {self.label}.\n" + self.log.render()
-
-    def call(self, fn, *args, what: str):
-        self.stats["current"] = f"{what}  ({self.label})"
-        return learner_call(fn, *args, what=what, context=self.story)
-
-    def fail(self, title: str, **kw) -> CheckFailed:
-        return failure(f"{NAME}: {title}", done=self.story(), **kw)
 
     def compare(self, after: str, hint: str = "", focus: int = 0) -> None:
         order = [focus] + [i for i in range(len(self.ref)) if i != focus]
