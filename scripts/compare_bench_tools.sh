@@ -8,9 +8,14 @@
 # $WORK/out/{minipaged,guidellm,aiperf}.txt (+ their JSON) and a summary of request throughput
 # and TTFT p50 per tool (summary.txt) for docs/serving.md's table.
 #
-#   scripts/compare_bench_tools.sh                        # the default model, 32 requests at 2 req/s
+#   scripts/compare_bench_tools.sh                        # the default model, 32 requests at 1 req/s
 #   N=64 RATE=4 IN=128 OUT=64 scripts/compare_bench_tools.sh
 #   TOOLS=/tmp/bench-tools scripts/compare_bench_tools.sh # venvs somewhere with room
+#   PIN=0 scripts/compare_bench_tools.sh                  # server and tools share every CPU
+#
+# PIN=1 (the default where taskset exists and there are 2+ CPUs): the server runs on CPU 0 with
+# one thread and every load generator on the other CPUs, so a tool's own work (guidellm and
+# aiperf start several processes) never slows the server it measures: all three see one server.
 #
 # Checked with guidellm 0.8.1 (its `guidellm run --backend kind=...` command line; older
 # releases had `guidellm benchmark --target ...` instead) and aiperf 0.13.0, on Python 3.11;
@@ -30,18 +35,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-N=${N:-32}; RATE=${RATE:-2}; IN=${IN:-128}; OUT=${OUT:-64}; PORT=${PORT:-8765}
+N=${N:-32}; RATE=${RATE:-1}; IN=${IN:-128}; OUT=${OUT:-64}; PORT=${PORT:-8765}
+NCPU=$(nproc 2>/dev/null || echo 1)
+ON_SERVER=(); ON_TOOLS=()
+if [ "${PIN:-1}" = 1 ] && command -v taskset >/dev/null && [ "$NCPU" -ge 2 ]; then
+  ON_SERVER=(env OMP_NUM_THREADS=1 taskset -c 0); ON_TOOLS=(taskset -c "1-$((NCPU - 1))")
+fi
 WORK=${WORK:-build/bench-tools}; TOOLS=${TOOLS:-$WORK}
 mkdir -p "$WORK/out" "$TOOLS"
 WORK=$(cd "$WORK" && pwd); TOOLS=$(cd "$TOOLS" && pwd)  # absolute: the tools run with paths of their own
 URL="http://127.0.0.1:$PORT"
 
-tool_venv() {  # tool_venv NAME PACKAGE: a venv with PACKAGE, made once
+tool_venv() {  # tool_venv NAME PACKAGE [FIRST]: a venv with PACKAGE (FIRST installed before it), made once
   if [ ! -x "$TOOLS/$1/bin/$1" ]; then
-    python3 -m venv "$TOOLS/$1" && "$TOOLS/$1/bin/pip" install -q "$2"
+    python3 -m venv "$TOOLS/$1"
+    if [ -n "${3:-}" ]; then "$TOOLS/$1/bin/pip" install -q "$3"; fi
+    "$TOOLS/$1/bin/pip" install -q "$2"
   fi
 }
-tool_venv guidellm "${GUIDELLM_SPEC:-guidellm}"
+# guidellm asks for torch: the CPU build first (TORCH_SPEC, as the Makefile), so pip keeps it
+# instead of pulling a multi-GB CUDA build.
+tool_venv guidellm "${GUIDELLM_SPEC:-guidellm}" "${TORCH_SPEC:-torch==2.13.0}"
 tool_venv aiperf "${AIPERF_SPEC:-aiperf}"
 
 # The tokenizer both tools count tokens with: the served model's, written out as a folder
@@ -57,7 +71,8 @@ AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name).save_pretrained(sys.ar
 PYEOF
 fi
 
-"$PY" -m minipaged serve --port "$PORT" --seed 0 --served-model-name smollm2 > "$WORK/out/server.log" 2>&1 &
+"${ON_SERVER[@]}" "$PY" -m minipaged serve --port "$PORT" --seed 0 \
+  --served-model-name smollm2 > "$WORK/out/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 300); do curl -sf "$URL/health" >/dev/null && break; sleep 1; done
@@ -65,18 +80,18 @@ curl -sf "$URL/health" >/dev/null || { echo "the server did not come up: see $WO
 
 # Each tool gets a fresh server state only in the sense that prompts differ: minipaged draws a fresh
 # seed, guidellm and aiperf make their own synthetic text, so no run hits another's prefix cache.
-"$PY" -m minipaged bench serve --url "$URL/v1" --model smollm2 --dataset fixed --input-len "$IN" --output-len "$OUT" \
+"${ON_TOOLS[@]}" "$PY" -m minipaged bench serve --url "$URL/v1" --model smollm2 --dataset fixed --input-len "$IN" --output-len "$OUT" \
   --num-requests "$N" --rate "$RATE" --arrival constant --no-progress --json "$WORK/out/minipaged.json" \
   | tee "$WORK/out/minipaged.txt" || echo "minipaged bench serve failed (exit $?): see its output above"
 
-"$TOOLS/guidellm/bin/guidellm" run \
+"${ON_TOOLS[@]}" "$TOOLS/guidellm/bin/guidellm" run \
   --backend "kind=openai_http,target=$URL,model=smollm2,request_format=/v1/completions" \
   --profile "kind=constant,rate=$RATE" --constraint "kind=max_requests,count=$N" \
   --data "kind=synthetic_text,prompt_tokens=$IN,output_tokens=$OUT" --tokenizer "kind=hf_auto,model=$TOK" \
   --output "kind=json,path=$WORK/out/guidellm.json" --output kind=console --disable-progress \
   | tee "$WORK/out/guidellm.txt" || echo "guidellm failed (exit $?): see its output above"
 
-"$TOOLS/aiperf/bin/aiperf" profile --model smollm2 --url "$URL" --endpoint-type completions --streaming \
+"${ON_TOOLS[@]}" "$TOOLS/aiperf/bin/aiperf" profile --model smollm2 --url "$URL" --endpoint-type completions --streaming \
   --tokenizer "$TOK" --isl "$IN" --isl-stddev 0 --osl "$OUT" --osl-stddev 0 --extra-inputs ignore_eos:true \
   --request-count "$N" --request-rate "$RATE" --request-rate-mode constant --ui none \
   --artifact-dir "$WORK/out/aiperf" | tee "$WORK/out/aiperf.txt" || echo "aiperf failed (exit $?): see its output above"

@@ -266,11 +266,18 @@ def validation_block() -> str:
         return "(run `python scripts/validate_simgpu_cpu.py` to measure)"
     r = json.loads(p.read_text())
     m, c, t = r["machine"], r["calibration"], r["target_error"]
-    lines = [f"`python scripts/validate_simgpu_cpu.py` on this CPU (read {m['read_GBps']:.1f} GB/s, fp32 GEMM "
-             f"{m['gemm_GFLOPs']:.0f} GFLOP/s), {r['model']['name']} on the plain route; one calibration for every row "
-             f"(step overhead {c['step_overhead_s'] * 1e3:.1f} ms, {c['seq_overhead_s'] * 1e3:.2f} ms a sequence, "
-             f"{c['compute_efficiency']:.2f} of the GEMM rate, bandwidth as measured); target: within {t:.0%}.", "",
-             "| what | measured | predicted | error |", "| --- | ---: | ---: | ---: |"]
+    if r.get("linear_profile"):
+        how = (f"the linear layers and attention priced by their measured times on this CPU (profiles of the route's "
+               f"own operators, not of the engine), one calibration for every row (step overhead "
+               f"{c['step_overhead_s'] * 1e3:.1f} ms, {c['seq_overhead_s'] * 1e3:.2f} ms a sequence, "
+               f"{c.get('token_overhead_s', 0.0) * 1e3:.3f} ms a token)")
+    else:
+        how = (f"one calibration for every row (step overhead {c['step_overhead_s'] * 1e3:.1f} ms, "
+               f"{c['seq_overhead_s'] * 1e3:.2f} ms a sequence, {c['compute_efficiency']:.2f} of the GEMM rate, "
+               f"bandwidth as measured)")
+    lines = [f"`{r['settings']['command']}` on this CPU (read {m['read_GBps']:.1f} GB/s, fp32 GEMM "
+             f"{m['gemm_GFLOPs']:.0f} GFLOP/s), {r['model']['name']} on the plain route; {how}; target: within {t:.0%}.",
+             "", "| what | measured | predicted | error |", "| --- | ---: | ---: | ---: |"]
     for s in r["steps"]:
         if s["role"] == "validation":
             lines.append(f"| decode step, batch {s['batch']} | {s['measured_s'] * 1e3:.1f} ms | {s['predicted_s'] * 1e3:.1f} ms "
@@ -282,7 +289,13 @@ def validation_block() -> str:
         lines.append(f"| factorial bench: {name} | {cell['measured']['tokens_per_s']:.1f} tok/s "
                      f"| {cell['predicted']['tokens_per_s']:.1f} tok/s | {cell['error']:+.0%} |")
     lines.append("")
-    lines.append(f"Within {t:.0%} everywhere: {'yes' if r['within_target'] else 'no'}.")
+    lines.append(f"Within {t:.0%} everywhere: {'yes' if r['within_target'] else 'no'} "
+                 f"(worst {r['worst_validation_error']:.0%}).")
+    d = r.get("drift_between_passes")
+    if d:
+        lines.append(f"Each figure is the mean of two passes, one early and one late in the run; this machine itself "
+                     f"drifted between them by up to {d.get('decode', 0):.0%} on a decode step and "
+                     f"{d.get('factorial', 0):.0%} on a factorial cell, the noise floor any prediction here sits on.")
     return "\n".join(lines)
 
 

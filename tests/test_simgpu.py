@@ -358,10 +358,10 @@ def test_the_seed_scenario_reproduces_what_holds_and_says_why_the_rest_cannot():
 
 
 # -- the validation on this CPU (scripts/validate_simgpu_cpu.py): its logic on tiny inputs -------------
-def _exact_samples(machine, model, cal, steps):
+def _exact_samples(machine, model, cal, steps, profile=None, attention=None):
     from minipaged.bench.gpu.validate import Sample, cost_model
 
-    cost = cost_model(machine, model, cal)
+    cost = cost_model(machine, model, cal, profile, attention)
     return [Sample(s, cost.step_time(s)) for s in steps]
 
 
@@ -390,6 +390,144 @@ def test_the_calibration_recovers_the_constants_that_made_the_steps():
     slow = [type(s)(s.step, 2 * s.seconds) for s in val]
     res = compare(machine, model, dec, pre, slow)
     assert not res["within_target"] and res["worst_validation_error"] == pytest.approx(0.5, rel=1e-3)
+
+
+def test_a_linear_profile_interpolates_between_measured_rows_and_extends_its_last_slope():
+    from minipaged.bench.gpu.cost import LinearProfile
+
+    p = LinearProfile((1, 2, 8), (0.010, 0.030, 0.020), (0.001, 0.002, 0.004))
+    assert p.body(1) == 0.010 and p.body(2) == 0.030 and p.body(8) == 0.020  # the measured rows, as measured
+    assert p.body(5) == pytest.approx(0.025)  # halfway from 2 to 8
+    assert p.body(14) == pytest.approx(0.020 - 6 * 0.010 / 6)  # past the last row: its last slope (falling here)
+    assert p.head(16) == pytest.approx(0.004 + 8 * 0.002 / 6)
+    assert p.body(0) == 0.0 and p.head(0) == 0.0
+    with pytest.raises(ValueError, match="increasing"):
+        LinearProfile((2, 1), (0.1, 0.2), (0.1, 0.2))
+    with pytest.raises(ValueError, match="one body and one head time per row"):
+        LinearProfile((1, 2), (0.1,), (0.1, 0.2))
+
+
+def test_with_a_profile_the_weights_leave_the_roofline_and_attention_stays_on_it():
+    from dataclasses import replace
+
+    from minipaged.bench.gpu.cost import LinearProfile
+    from minipaged.bench.gpu.validate import machine_spec
+
+    machine = machine_spec(10e9, 100e9)
+    model = replace(get_model("smollm2-135m"), dtype_bytes=4)
+    prof = LinearProfile((1, 2, 4, 64), (0.010, 0.040, 0.030, 0.100), (0.002, 0.003, 0.004, 0.020))
+    m = StepCostModel(machine, model, NO_OVERHEAD, dtype_bytes=4, linear_profile=prof)
+    bare = StepCostModel(machine, model, NO_OVERHEAD, dtype_bytes=4)
+    c = m.cost([(79, 1)] * 2)  # two decodes at context 80: the profile's 2-row body and head, then K/V
+    kv = model.kv_bytes_per_token
+    assert c.linear_s == pytest.approx(0.040 + 0.003)
+    assert c.bytes_moved == 2 * (80 + 1) * kv  # no weights: the profile read them
+    assert c.flops == 4 * model.num_layers * model.num_heads * model.head_dim * 2 * 80  # attention's alone
+    assert c.seconds == pytest.approx(0.043 + max(c.bytes_moved / 10e9, c.flops / 100e9)) and c.bound == "linear"
+    # slower at 2 rows than at 4 because the profile says so; the roofline alone cannot say it
+    assert m.decode_time(2, 80) > m.decode_time(4, 80) and bare.decode_time(2, 80) < bare.decode_time(4, 80)
+    # a prefill chunk multiplies all its tokens but samples once
+    assert m.cost([(0, 64)]).linear_s == pytest.approx(0.100 + 0.002)
+
+
+def test_the_calibration_with_a_profile_recovers_its_constants_and_predicts_the_slow_small_batches():
+    from dataclasses import replace
+
+    from minipaged.bench.gpu.cost import LinearProfile
+    from minipaged.bench.gpu.validate import compare, cost_model, decode_step, fit_calibration, machine_spec
+
+    machine = machine_spec(10e9, 100e9)
+    model = replace(get_model("smollm2-135m"), dtype_bytes=4)
+    prof = LinearProfile((1, 2, 4, 16, 64, 256, 512), (0.014, 0.047, 0.055, 0.050, 0.24, 0.9, 1.8),
+                         (0.009, 0.022, 0.040, 0.039, 0.086, 0.2, 0.4))
+    truth = Calibration(1.0, 0.3, step_overhead_s=0.004, seq_overhead_s=3e-4)
+    dec = _exact_samples(machine, model, truth, [decode_step(1, 80), decode_step(16, 80)], prof)
+    pre = _exact_samples(machine, model, truth, [((0, 256),), ((0, 512),)], prof)
+    cal = fit_calibration(machine, model, dec, pre, profile=prof)
+    assert cal.compute_efficiency == pytest.approx(0.3, rel=1e-3)
+    assert cal.step_overhead_s == pytest.approx(0.004, rel=1e-3) and cal.seq_overhead_s == pytest.approx(3e-4, rel=1e-3)
+    val = _exact_samples(machine, model, truth, [decode_step(b, 80) for b in (2, 4, 64)], prof)
+    res = compare(machine, model, dec, pre, val, profile=prof)
+    assert res["within_target"] and res["worst_validation_error"] < 1e-3
+    assert res["linear_profile"]["rows"] == list(prof.rows)
+    # the same measurements priced by the roofline alone miss the slow 2-row step: the profile is what explains it
+    plain = compare(machine, model, dec, pre, val)
+    assert plain["linear_profile"] is None and plain["worst_validation_error"] > 0.25
+
+
+def test_an_attention_profile_prices_each_group_of_decodes_by_its_longest_context():
+    from dataclasses import replace
+
+    from minipaged.attention.torch_sdpa import decode_groups
+    from minipaged.bench.gpu.cost import AttentionProfile, LinearProfile
+    from minipaged.bench.gpu.validate import machine_spec
+
+    ap = AttentionProfile((1, 4), (64, 128), ((0.001, 0.002), (0.004, 0.008)))
+    assert ap.call(4, 128) == 0.008 and ap.call(2, 96) == pytest.approx(0.0015 + (0.006 - 0.0015) / 3)  # bilinear: 96 halfway in context, 2 a third in batch
+    assert ap.decode([100, 100, 100, 100]) == pytest.approx(ap.call(4, 100))
+    assert ap.decode([]) == 0.0
+    # the padded gather's rule: very unequal contexts go in separate calls, each padded to its own longest
+    grouped = replace(ap, groups=decode_groups)
+    ctx = [1000, 20, 20, 20]
+    groups = decode_groups(ctx)
+    assert len(groups) > 1  # the rule splits them
+    assert grouped.decode(ctx) == pytest.approx(sum(ap.call(len(g), max(ctx[i] for i in g)) for g in groups))
+    assert grouped.decode(ctx) < ap.decode(ctx)
+    assert ap.decode(ctx) == pytest.approx(ap.call(4, 1000))  # one call: every row padded to 1000
+    with pytest.raises(ValueError, match="one time per"):
+        AttentionProfile((1, 4), (64,), ((0.1, 0.2),))
+
+    machine = machine_spec(10e9, 100e9)
+    model = replace(get_model("smollm2-135m"), dtype_bytes=4)
+    lin = LinearProfile((1, 64), (0.01, 0.1), (0.001, 0.01))
+    timed = []
+
+    def prefill(pairs):  # a stand-in for hardware.attention_timer: what it was asked, and a price
+        timed.append(pairs)
+        return 0.001 * sum(n for _, n in pairs)
+
+    m = StepCostModel(machine, model, NO_OVERHEAD, dtype_bytes=4, linear_profile=lin,
+                      attention_profile=replace(ap, prefill=prefill))
+    c = m.cost([(99, 1), (127, 1), (0, 30)])  # two decodes and a prefill chunk in one step
+    assert timed == [((0, 30),)]
+    assert c.attention_s == pytest.approx(ap.call(2, 128) + 0.030)
+    assert c.flops == 0 and c.bytes_moved == 32 * model.kv_bytes_per_token  # the roofline keeps the K/V writes
+    assert c.bound == "linear" or c.bound == "attention"
+    with pytest.raises(ValueError, match="skip_ahead"):
+        m.decode_totals_time(2, 200)
+
+
+def test_with_every_operator_measured_the_calibration_fits_per_step_sequence_and_token_overheads():
+    from dataclasses import replace
+
+    from minipaged.bench.gpu.cost import AttentionProfile, LinearProfile
+    from minipaged.bench.gpu.validate import decode_step, fit_calibration, machine_spec
+
+    machine = machine_spec(10e9, 100e9)
+    model = replace(get_model("smollm2-135m"), dtype_bytes=4)
+    lin = LinearProfile((1, 2, 16, 512), (0.03, 0.05, 0.05, 0.8), (0.01, 0.02, 0.02, 0.2))
+    ap = AttentionProfile((1, 16), (64, 128), ((0.002, 0.003), (0.006, 0.01)), prefill=lambda pairs: 0.05)
+    truth = Calibration(1.0, 1.0, step_overhead_s=0.012, seq_overhead_s=4e-4, token_overhead_s=5e-5)
+    dec = _exact_samples(machine, model, truth, [decode_step(1, 80), decode_step(16, 80)], lin, ap)
+    pre = _exact_samples(machine, model, truth, [((0, 256),), ((0, 512),)], lin, ap)
+    cal = fit_calibration(machine, model, dec, pre, profile=lin, attention=ap)
+    assert cal.step_overhead_s == pytest.approx(0.012, rel=1e-6)
+    assert cal.seq_overhead_s == pytest.approx(4e-4, rel=1e-6)
+    assert cal.token_overhead_s == pytest.approx(5e-5, rel=1e-6)
+
+
+def test_two_passes_are_averaged_only_on_the_same_step_and_grid():
+    from minipaged.bench.gpu.validate import Sample, decode_step, mean_profile, mean_sample
+
+    a, b = Sample(decode_step(2, 80), 0.1), Sample(decode_step(2, 80), 0.3)
+    assert mean_sample(a, b).seconds == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="same step"):
+        mean_sample(a, Sample(decode_step(4, 80), 0.1))
+    p = mean_profile({"rows": [1, 2], "body_s": [1.0, 2.0], "seconds": [[1.0, 3.0]]},
+                     {"rows": [1, 2], "body_s": [3.0, 4.0], "seconds": [[3.0, 5.0]]}, ("body_s", "seconds"))
+    assert p == {"rows": [1, 2], "body_s": [2.0, 3.0], "seconds": [[2.0, 4.0]]}
+    with pytest.raises(ValueError, match="same grid"):
+        mean_profile({"body_s": [1.0]}, {"body_s": [1.0, 2.0]}, ("body_s",))
 
 
 def test_overheads_are_never_negative_and_one_batch_gives_one_constant():
@@ -489,3 +627,24 @@ def test_the_validation_script_has_a_quick_mode_that_writes_only_where_told():
     assert mod.FULL["factorial"] == {"quick": True}  # the bench's own --quick sizes, nothing else changed
     with pytest.raises(SystemExit):
         mod.main(["--help"])
+
+
+def test_the_profiles_time_the_route_s_own_operators_on_a_tiny_model(tiny_model):
+    from minipaged.attention import TORCH
+    from minipaged.bench.hardware import attention_profile, attention_timer, linear_profile, split_head
+
+    model, _ = tiny_model
+    cfg = model.config
+    body, head = split_head(model)
+    assert len(head) == 1 and head[0].shape[0] == cfg.vocab_size and body and all(w.shape[0] != cfg.vocab_size for w in body)
+    lp = linear_profile(model, rows=(1, 4), repeats=1)
+    assert lp["rows"] == [1, 4] and len(lp["body_s"]) == 2 and all(t > 0 for t in lp["body_s"] + lp["head_s"])
+    ap = attention_profile(TORCH, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16,
+                           batches=(1, 2), contexts=(16, 40), repeats=1)
+    assert ap["backend"] == "torch" and len(ap["seconds"]) == 2 and all(len(r) == 2 and min(r) > 0 for r in ap["seconds"])
+    timer = attention_timer(TORCH, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16, repeats=1,
+                            num_blocks=64)
+    t = timer(((0, 30), (8, 5)))
+    assert t > 0 and timer(((0, 30), (8, 5))) == t and len(timer.timed) == 1  # each shape timed once
+    with pytest.raises(ValueError, match="raise num_blocks"):
+        timer(((0, 2000),))

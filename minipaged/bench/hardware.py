@@ -31,6 +31,20 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
+def _median(fn: Callable[[], Any], repeats: int) -> float:
+    """The median of ``repeats`` timed runs after one warm-up: the statistic an engine's step
+    times are reported in, so a profile that prices them is not biased to the best case."""
+    import statistics
+
+    fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def bandwidth(mib: int = 256, repeats: int = 5) -> dict[str, float]:
     """GB/s of a STREAM-like read and copy over ``mib`` MiB of fp32, best of ``repeats`` runs.
 
@@ -104,6 +118,127 @@ def time_linear_layers(weights: list[torch.Tensor], batch: int, repeats: int = 3
             torch.matmul(x, w.t(), out=o)
 
     return _best(step, repeats)
+
+
+def split_head(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`linear_weights` parted into the body's (every layer's) and the LM head's (the
+    matrix with one row per vocabulary entry)."""
+    vocab = model.config.vocab_size
+    ws = linear_weights(model)
+    return [w for w in ws if w.shape[0] != vocab], [w for w in ws if w.shape[0] == vocab]
+
+
+PROFILE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def linear_profile(model: torch.nn.Module, rows: tuple[int, ...] = PROFILE_ROWS, repeats: int = 5) -> dict[str, Any]:
+    """The model's matmuls timed on its own weights at each row count (median of ``repeats``):
+    ``body_s``, one step's matmuls of every layer but the LM head at that many tokens; ``head_s``,
+    the LM head at that many sampled sequences. What a GEMM library does at 2 rows is not what a
+    roofline says (here PyTorch's fp32 matmul is slower at 2-4 rows than at 8), so a cost model
+    that has to be right at every batch reads these instead of one GEMM rate
+    (``minipaged.bench.gpu.cost.LinearProfile``)."""
+    body, head = split_head(model)
+    if not body or not head:
+        raise ValueError("linear_profile needs a model with linear layers and an LM head (nn.Linear or tied embedding)")
+    return {"rows": list(rows), "body_s": [_time_f_linear(body, r, repeats) for r in rows],
+            "head_s": [_time_f_linear(head, r, repeats) for r in rows], "repeats": repeats,
+            "threads": torch.get_num_threads()}
+
+
+@torch.inference_mode()
+def _time_f_linear(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
+    """Seconds for ``F.linear(x, W)`` over every W at ``rows`` rows: the op the plain model runs."""
+    import torch.nn.functional as F
+
+    xs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+    return _median(lambda: [F.linear(x, w) for x, w in zip(xs, weights)], repeats)
+
+
+class attention_timer:
+    """Times ``backend``'s attention for one step's prefill sequences, on demand: called with a
+    tuple of ``(start, num_new)`` pairs, it returns the seconds of ``num_layers`` calls over them
+    (``calls`` calls timed, each with its own scattered block table, median of ``repeats``, scaled
+    to ``num_layers``), once per distinct tuple (kept in ``timed``). For the steps a simulation
+    cannot know in advance (chunked prefills of every length), where a grid would not do."""
+
+    def __init__(self, backend: Any, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int = 16, calls: int = 4, repeats: int = 3, num_blocks: int = 4096,
+                 dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+        self.backend, self.num_layers, self.block_size = backend, num_layers, block_size
+        self.num_heads, self.head_dim, self.calls, self.repeats, self.dtype = num_heads, head_dim, calls, repeats, dtype
+        self.g = torch.Generator().manual_seed(seed)
+        self.k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, generator=self.g)
+        self.v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, generator=self.g)
+        self.timed: dict[tuple, float] = {}
+
+    @torch.inference_mode()
+    def __call__(self, pairs: tuple) -> float:
+        pairs = tuple((int(a), int(n)) for a, n in pairs)
+        if pairs in self.timed:
+            return self.timed[pairs]
+        from ..attention import AttentionMetadata
+
+        ctx = [a + n for a, n in pairs]
+        nb = -(-max(ctx) // self.block_size)
+        total = len(pairs) * nb
+        num_blocks = self.k.shape[0]
+        if total > num_blocks:
+            raise ValueError(f"attention_timer: {len(pairs)} sequences of up to {max(ctx)} tokens need {total} blocks; "
+                             f"the timer has {num_blocks} (raise num_blocks)")
+        n_tok = sum(n for _, n in pairs)
+        q = torch.randn(n_tok, self.num_heads, self.head_dim, dtype=self.dtype, generator=self.g)
+        out = torch.empty_like(q)
+        qsl = torch.tensor([0] + [sum(n for _, n in pairs[: i + 1]) for i in range(len(pairs))], dtype=torch.int32)
+        cl = torch.tensor(ctx, dtype=torch.int32)
+        metas = [AttentionMetadata(torch.zeros(n_tok, dtype=torch.long),
+                                   torch.randperm(num_blocks, generator=self.g)[:total].view(len(pairs), nb).to(torch.int32),
+                                   cl, qsl, num_decodes=0) for _ in range(self.calls)]
+        t = _median(lambda: [self.backend.forward(q, self.k, self.v, m, self.head_dim ** -0.5, out) for m in metas],
+                    self.repeats)
+        self.timed[pairs] = t * self.num_layers / self.calls
+        return self.timed[pairs]
+
+
+ATTENTION_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+ATTENTION_CONTEXTS = (32, 64, 128, 256, 512, 1024)
+
+
+@torch.inference_mode()
+def attention_profile(backend: Any, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                      block_size: int = 16, batches: tuple[int, ...] = ATTENTION_BATCHES,
+                      contexts: tuple[int, ...] = ATTENTION_CONTEXTS, repeats: int = 5,
+                      dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, Any]:
+    """Decode attention as ``backend`` (an ``AttentionBackend``: the engine's own, ``engine.backend``)
+    runs it, timed for one step: ``num_layers`` calls, each over ``batch`` sequences of ``context``
+    keys with blocks scattered through a cache larger than the CPU's caches (a fresh block table
+    per layer, as each layer reads its own pages). ``seconds[i][j]``: median of ``repeats`` at
+    ``batches[i]``, ``contexts[j]`` (``minipaged.bench.gpu.cost.AttentionProfile``)."""
+    from ..attention import AttentionMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-max(contexts) // block_size)
+    num_blocks = max(max(batches) * per_seq, 4096)
+    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, generator=g)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, generator=g)
+    scale = head_dim ** -0.5
+    seconds = []
+    for b in batches:
+        row = []
+        q = torch.randn(b, num_heads, head_dim, dtype=dtype, generator=g)
+        out = torch.empty_like(q)
+        qsl = torch.arange(b + 1, dtype=torch.int32)
+        for c in contexts:
+            nb = -(-c // block_size)
+            metas = []
+            for _ in range(num_layers):
+                tables = torch.randperm(num_blocks, generator=g)[: b * nb].view(b, nb).to(torch.int32)
+                metas.append(AttentionMetadata(torch.zeros(b, dtype=torch.long), tables,
+                                               torch.full((b,), c, dtype=torch.int32), qsl, num_decodes=b))
+            row.append(_median(lambda: [backend.forward(q, k, v, m, scale, out) for m in metas], repeats))
+        seconds.append(row)
+    return {"batches": list(batches), "contexts": list(contexts), "seconds": seconds, "backend": backend.name,
+            "layers": num_layers, "repeats": repeats, "threads": torch.get_num_threads()}
 
 
 def measured_knee(batches: list[int], seconds: list[float]) -> float | None:

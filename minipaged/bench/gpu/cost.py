@@ -7,12 +7,21 @@ Owns two pieces of arithmetic and every constant they use, each named with its r
   a roofline: a decode step reads every weight once and every sequence's whole context of
   K and V, so attention's cost grows with the context read.
 
+Where the operators can be timed (this machine's CPU, for the validation), measured profiles
+replace the roofline's terms, as Vidur (MLSys 2024) profiles each operator at the shapes it runs:
+a :class:`LinearProfile` prices the weights (a GEMM library's rate at 2 rows is not a roofline's:
+on this CPU PyTorch's fp32 matmul is slower at 2-4 rows than at 8) and an
+:class:`AttentionProfile` prices decode attention as the route runs it (the plain route gathers
+every sequence's blocks into a padded copy and runs SDPA over it: several passes over K and V,
+not the one a paged kernel makes). What no profile covers (prefill attention, K/V writes) and
+the overheads stay the roofline's.
+
 Nothing here runs a model; the simulator calls :meth:`StepCostModel.step_time` once per step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
 
 from .specs import GPUSpec, ModelSpec, get_gpu, get_model
 
@@ -94,33 +103,152 @@ class Calibration:
       5 ms, the order of vLLM v0.1's Python step loop.
     * ``seq_overhead_s``: a cost per sequence per step (vLLM v0.1 built each sequence's inputs
       and sampled each one in Python): 0.2 ms.
+    * ``token_overhead_s``: a cost per new token that neither the matmuls nor attention carry
+      (norms, rotary embedding, the MLP's activation, residual adds): 0 on a GPU, where those
+      ops fuse into the roofline's traffic; fitted by the CPU validation, where the plain route
+      runs each as its own PyTorch op over the step's activations.
     """
 
     bandwidth_efficiency: float = 0.7
     compute_efficiency: float = 0.6
     step_overhead_s: float = 0.005
     seq_overhead_s: float = 0.0002
+    token_overhead_s: float = 0.0
 
 
 DEFAULT_CALIBRATION = Calibration()
 
 
+def _interp(xs: tuple, ys: tuple, x: float) -> float:
+    """Piecewise-linear through ``(xs, ys)`` (xs increasing); past the last point, the last
+    segment's slope (the cost per row keeps growing as it last did); 0 at x <= 0."""
+    if x <= 0:
+        return 0.0
+    if x <= xs[0]:
+        return ys[0] * x / xs[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return ys[i - 1] + t * (ys[i] - ys[i - 1])
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return ys[-1] + slope * (x - xs[-1])
+
+
+@dataclass(frozen=True)
+class LinearProfile:
+    """The linear layers' measured time against rows: ``body_s[i]`` seconds for one step's
+    matmuls of every layer but the LM head at ``rows[i]`` tokens, ``head_s[i]`` for the LM head at
+    ``rows[i]`` sampled sequences (``minipaged.bench.hardware.linear_profile`` times them on the
+    model's own weights). Between rows, linear; past the last, its last slope."""
+
+    rows: tuple
+    body_s: tuple
+    head_s: tuple
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        r = tuple(int(x) for x in self.rows)
+        if not r or list(r) != sorted(set(r)) or r[0] < 1:
+            raise ValueError(f"a linear profile's rows must be distinct, increasing and >= 1, got {list(self.rows)}")
+        if len(self.body_s) != len(r) or len(self.head_s) != len(r):
+            raise ValueError(f"a linear profile needs one body and one head time per row: {len(r)} rows, "
+                             f"{len(self.body_s)} body and {len(self.head_s)} head times")
+        object.__setattr__(self, "rows", r)
+        object.__setattr__(self, "body_s", tuple(float(x) for x in self.body_s))
+        object.__setattr__(self, "head_s", tuple(float(x) for x in self.head_s))
+
+    def body(self, tokens: int) -> float:
+        return _interp(self.rows, self.body_s, tokens)
+
+    def head(self, seqs: int) -> float:
+        return _interp(self.rows, self.head_s, seqs)
+
+    def to_dict(self) -> dict:
+        return {"rows": list(self.rows), "body_s": list(self.body_s), "head_s": list(self.head_s),
+                "source": self.source}
+
+
+def _bilinear(xs: tuple, ys: tuple, table: tuple, x: float, y: float) -> float:
+    """``table[i][j]`` at ``(xs[i], ys[j])``, interpolated linearly in each direction (and
+    extended past the grid's edges by its edge segments, as :func:`_interp`)."""
+    col = [_interp(ys, row, y) for row in table]  # along y in every row
+    return _interp(xs, tuple(col), x)
+
+
+@dataclass(frozen=True)
+class AttentionProfile:
+    """Decode attention's measured time, all layers of one step: ``seconds[i][j]`` for one call
+    over ``batches[i]`` sequences whose (padded) context is ``contexts[j]`` tokens each
+    (``minipaged.bench.hardware.attention_profile`` times the route's own decode attention).
+    ``groups``: the route's rule for which decodes share one call (the padded gather pads each
+    call to its longest context), a function of the contexts that returns lists of indices;
+    None: all in one call. ``prefill``: a function that times the route's attention, all layers,
+    over a step's other sequences (a tuple of ``(start, num_new)`` pairs, each with more than
+    one new token), as ``hardware.attention_timer`` does on demand; None: the roofline prices
+    them."""
+
+    batches: tuple
+    contexts: tuple
+    seconds: tuple
+    groups: Any = None
+    source: str = "measured"
+    prefill: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("batches", "contexts"):
+            v = tuple(int(x) for x in getattr(self, name))
+            if not v or list(v) != sorted(set(v)) or v[0] < 1:
+                raise ValueError(f"an attention profile's {name} must be distinct, increasing and >= 1, got {list(v)}")
+            object.__setattr__(self, name, v)
+        t = tuple(tuple(float(x) for x in row) for row in self.seconds)
+        if len(t) != len(self.batches) or any(len(row) != len(self.contexts) for row in t):
+            raise ValueError(f"an attention profile needs one time per (batch, context): {len(self.batches)} x "
+                             f"{len(self.contexts)}")
+        object.__setattr__(self, "seconds", t)
+
+    def call(self, batch: int, context: int) -> float:
+        return _bilinear(self.batches, self.contexts, self.seconds, batch, context) if batch > 0 else 0.0
+
+    def decode(self, contexts: list[int]) -> float:
+        """Seconds for decodes reading ``contexts`` keys each: one call per group, each padded to
+        its longest context."""
+        if not contexts:
+            return 0.0
+        groups = self.groups(contexts) if self.groups is not None else [list(range(len(contexts)))]
+        return sum(self.call(len(g), max(contexts[i] for i in g)) for g in groups)
+
+    def to_dict(self) -> dict:
+        return {"batches": list(self.batches), "contexts": list(self.contexts),
+                "seconds": [list(r) for r in self.seconds], "source": self.source,
+                "prefills": "timed" if self.prefill is not None else "roofline"}
+
+
 @dataclass(frozen=True)
 class StepCost:
-    """One step's cost broken down: the roofline's two sides and the overheads, in seconds."""
+    """One step's cost broken down, in seconds: the roofline's two sides, the linear layers'
+    measured time where a :class:`LinearProfile` gives it (then the roofline covers attention
+    only), and the overheads."""
 
     bytes_moved: float
     flops: float
     memory_s: float
     compute_s: float
     overhead_s: float
+    linear_s: float = 0.0
+    attention_s: float = 0.0  # decode attention, measured (an AttentionProfile)
 
     @property
     def seconds(self) -> float:
-        return max(self.memory_s, self.compute_s) + self.overhead_s
+        return self.linear_s + self.attention_s + max(self.memory_s, self.compute_s) + self.overhead_s
 
     @property
     def bound(self) -> str:
+        """What the largest share is: "linear" or "attention" (measured), else the roofline's side."""
+        roof = max(self.memory_s, self.compute_s)
+        if max(self.linear_s, self.attention_s) > roof:
+            return "linear" if self.linear_s >= self.attention_s else "attention"
         return "memory" if self.memory_s >= self.compute_s else "compute"
 
 
@@ -138,6 +266,13 @@ class StepCostModel:
     * FLOPs = 2 x (the layers' weight matrices) per new token + 2 x the LM head per sampled
       sequence + attention, 4 x layers x heads x head_dim per (query, key) pair (QK^T and PV),
       with the causal pairs of a chunk counted exactly.
+
+    With a ``linear_profile``, the weights leave both sides: the body's matmuls cost
+    ``profile.body(tokens)`` and the head's ``profile.head(seqs)``, measured, and the roofline
+    prices what is left (K and V read and written, attention's FLOPs). With an
+    ``attention_profile`` too, the decodes' attention (sequences with one new token) is its
+    measured time, group by group, and leaves the roofline, which keeps the prefills' attention
+    and every K/V write.
     """
 
     gpu: GPUSpec | str
@@ -146,6 +281,8 @@ class StepCostModel:
     bandwidth: float | None = None  # bytes/s; default: the GPU's datasheet figure
     peak_flops: float | None = None  # FLOP/s; default: the GPU's datasheet figure
     dtype_bytes: int | None = None  # default: the model's (2, fp16)
+    linear_profile: LinearProfile | None = None  # measured matmul times (the CPU validation); None on a GPU spec
+    attention_profile: AttentionProfile | None = None  # measured decode attention (the CPU validation)
 
     def __post_init__(self) -> None:
         self.gpu, self.model = get_gpu(self.gpu), get_model(self.model)
@@ -163,24 +300,50 @@ class StepCostModel:
     def cost(self, step: Iterable[tuple[int, int]]) -> StepCost:
         """The cost of one step of ``(start, num_new)`` pairs (see the class)."""
         tokens = ctx = pairs = seqs = 0
+        decodes: list[int] = []
+        ap = self.attention_profile
+        rest: list[tuple[int, int]] = []
         for start, n in step:
             tokens += n
+            seqs += 1
+            if ap is not None and n == 1:
+                decodes.append(start + 1)  # measured below; its K/V write stays on the roofline
+                continue
+            if ap is not None and ap.prefill is not None and n > 0:
+                rest.append((start, n))  # measured below too
+                continue
             ctx += start + n
             pairs += n * start + n * (n + 1) // 2
-            seqs += 1
-        return self.cost_of_totals(tokens, ctx, pairs, seqs)
+        if ap is None:
+            return self.cost_of_totals(tokens, ctx, pairs, seqs)
+        c = self._cost(tokens, ctx, pairs, seqs)
+        measured = ap.decode(decodes) + (ap.prefill(tuple(rest)) if rest else 0.0)
+        return replace(c, attention_s=measured)
 
     def cost_of_totals(self, tokens: int, ctx: int, pairs: int, seqs: int) -> StepCost:
         """The cost of a step from its totals: new ``tokens``, the contexts read (``ctx``, the sum
         of ``start + num_new``), the (query, key) ``pairs`` attended and the ``seqs`` scheduled.
         :meth:`cost` sums a step's pairs into these; the simulator's skip-ahead calls this
         directly for decode-only steps (the same integers give the same floats)."""
+        if self.attention_profile is not None:
+            raise ValueError("a measured attention profile prices each group of decodes by its longest context: "
+                             "call cost() with the step's (start, num_new) pairs (simulator.run(skip_ahead=False))")
+        return self._cost(tokens, ctx, pairs, seqs)
+
+    def _cost(self, tokens: int, ctx: int, pairs: int, seqs: int) -> StepCost:
         if seqs == 0:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
-        nbytes = self.weight_read + (ctx + tokens) * self.kv_per_token
-        flops = 2 * self.body_params * tokens + 2 * self.head_params * seqs + self.attn_flops_per_pair * pairs
         c = self.calibration
-        return StepCost(nbytes, flops, nbytes / self._bw, flops / self._fl, c.step_overhead_s + c.seq_overhead_s * seqs)
+        overhead = c.step_overhead_s + c.seq_overhead_s * seqs + c.token_overhead_s * tokens
+        kv_bytes = (ctx + tokens) * self.kv_per_token
+        attn_flops = self.attn_flops_per_pair * pairs
+        lp = self.linear_profile
+        if lp is not None:
+            return StepCost(kv_bytes, attn_flops, kv_bytes / self._bw, attn_flops / self._fl, overhead,
+                            lp.body(tokens) + lp.head(seqs))
+        nbytes = self.weight_read + kv_bytes
+        flops = 2 * self.body_params * tokens + 2 * self.head_params * seqs + attn_flops
+        return StepCost(nbytes, flops, nbytes / self._bw, flops / self._fl, overhead)
 
     def step_time(self, step: Iterable[tuple[int, int]]) -> float:
         """Seconds for one step of ``(start, num_new)`` pairs."""

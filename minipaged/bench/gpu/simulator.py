@@ -168,6 +168,9 @@ def run(sched: Any, requests: Seq[tuple[int, int]], arrivals: Seq[float], cost: 
     n = len(requests)
     if len(arrivals) != n:
         raise ValueError(f"got {len(arrivals)} arrival times for {n} requests")
+    if skip_ahead and getattr(cost, "attention_profile", None) is not None:
+        raise ValueError("skip_ahead prices decode steps from totals, which a measured attention profile cannot: "
+                         "run with skip_ahead=False")
     max_len = _max_len_of(sched)
     seqs = [Sequence(i, [0] * p, max_tokens=o, ignore_eos=True) for i, (p, o) in enumerate(requests)]
     for s in seqs:

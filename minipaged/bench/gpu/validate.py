@@ -7,7 +7,10 @@ shape from its own config, fp32 weights and KV (the plain route, ``fast_paths=Fa
 
 1. **calibrate** (one calibration, stated): from a few measured steps, fit the two overheads
    (per step, per sequence) and the share of the GEMM rate a whole step reaches
-   (:func:`fit_calibration`); the bandwidth is taken as measured (efficiency 1.0);
+   (:func:`fit_calibration`); the bandwidth is taken as measured (efficiency 1.0). Given the
+   route's operator profiles (:class:`~.cost.LinearProfile`, :class:`~.cost.AttentionProfile`:
+   what this CPU's libraries take at each shape, timed alone, never the engine), the matmuls
+   and attention are priced by them, and the fit is the overheads per step, sequence and token;
 2. **predict** what was not used to fit: the decode step time at other batches, and the
    throughput of a small offline workload, both replayed step by step (the cost model alone,
    on the engine's own steps) and simulated (the real scheduler on the simulated clock,
@@ -33,7 +36,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Sequence as Seq
 
-from .cost import Calibration, StepCostModel
+from .cost import AttentionProfile, Calibration, LinearProfile, StepCostModel
 from .policies import Reservation, System
 from .simulator import build_scheduler, run
 from .specs import GPUSpec, ModelSpec
@@ -66,8 +69,19 @@ def model_spec_of(model: Any, name: str | None = None, dtype_bytes: int | None =
     return replace(spec, num_params=spec.shape_params())
 
 
-def cost_model(machine: GPUSpec, model: ModelSpec, calibration: Calibration) -> StepCostModel:
-    return StepCostModel(machine, model, calibration, dtype_bytes=model.dtype_bytes)
+def cost_model(machine: GPUSpec, model: ModelSpec, calibration: Calibration,
+               profile: LinearProfile | None = None, attention: AttentionProfile | None = None) -> StepCostModel:
+    return StepCostModel(machine, model, calibration, dtype_bytes=model.dtype_bytes, linear_profile=profile,
+                         attention_profile=attention)
+
+
+def route_decode_groups(backend: Any) -> Any:
+    """The rule by which ``backend`` (an engine's ``AttentionBackend``) splits a step's decodes into
+    calls, for :class:`AttentionProfile`: PyTorch's padded gather has one
+    (``torch_sdpa.decode_groups``); any other backend is taken as one call."""
+    from ...attention import torch_sdpa
+
+    return torch_sdpa.decode_groups if backend.paged_attention is torch_sdpa.paged_attention else None
 
 
 # -- calibration ----------------------------------------------------------------------------------
@@ -98,7 +112,8 @@ def _fit_overheads(residuals: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def fit_calibration(machine: GPUSpec, model: ModelSpec, decode: Seq[Sample], prefill: Seq[Sample] = (),
-                    rounds: int = 8, max_compute_efficiency: float = 1.5) -> Calibration:
+                    rounds: int = 8, max_compute_efficiency: float = 1.5,
+                    profile: LinearProfile | None = None, attention: AttentionProfile | None = None) -> Calibration:
     """The calibration that makes the roofline meet the measured steps.
 
     * ``compute_efficiency``: from the ``prefill`` samples (compute-bound steps: many tokens),
@@ -110,23 +125,74 @@ def fit_calibration(machine: GPUSpec, model: ModelSpec, decode: Seq[Sample], pre
 
     The two depend on each other (a compute-bound decode step's roofline uses the efficiency;
     the prefill's overhead is the line's), so they are refined together for a few ``rounds``.
-    The bandwidth is not fitted: the measured read rate is what a step can reach."""
+    The bandwidth is not fitted: the measured read rate is what a step can reach. With a
+    ``profile`` the linear layers' measured time is taken off first, and the efficiency is
+    attention's alone (the only FLOPs left to the roofline); an ``attention`` profile takes the
+    decodes' attention off the same way. When it times the prefills' attention too, nothing is
+    left to an efficiency: the decode samples give the overheads per step and per sequence, the
+    prefill samples (many tokens, one sequence) the overhead per token, refined together."""
+    if attention is not None and attention.prefill is not None:
+        # every matmul and all attention measured: what is left is overhead, per step, per sequence
+        # and per token (the ops no profile covers), one least-squares fit over every sample
+        bare = cost_model(machine, model, Calibration(1.0, 1.0, 0.0, 0.0), profile, attention)
+        dec = [(len(s.step), s.seconds - bare.step_time(s.step)) for s in decode]
+        pre = [(len(s.step), sum(n for _, n in s.step), s.seconds - bare.step_time(s.step)) for s in prefill]
+        a = b = c = 0.0
+        for _ in range(max(1, rounds)):  # the decodes pin a and b, the prefills' many tokens c
+            a, b = _fit_overheads([(n, r - c * n) for n, r in dec])
+            per_token = [(r - a - b * n) / t for n, t, r in pre if t > 0]
+            c = max(statistics.median(per_token), 0.0) if per_token else 0.0
+        return Calibration(1.0, 1.0, a, b, c)
     cal = Calibration(bandwidth_efficiency=1.0, compute_efficiency=1.0, step_overhead_s=0.0, seq_overhead_s=0.0)
     for _ in range(max(1, rounds)):
-        bare = cost_model(machine, model, replace(cal, step_overhead_s=0.0, seq_overhead_s=0.0))
+        bare = cost_model(machine, model, replace(cal, step_overhead_s=0.0, seq_overhead_s=0.0), profile, attention)
         res = [(len(s.step), s.seconds - bare.step_time(s.step)) for s in decode]
         a, b = _fit_overheads(res)
         eff = cal.compute_efficiency
         effs = []
         for s in prefill:
-            c = cost_model(machine, model, Calibration(1.0, 1.0, 0.0, 0.0)).cost(s.step)
-            compute_time = s.seconds - (a + b * len(s.step))
+            c = cost_model(machine, model, Calibration(1.0, 1.0, 0.0, 0.0), profile, attention).cost(s.step)
+            compute_time = s.seconds - (a + b * len(s.step)) - c.linear_s - c.attention_s
             if compute_time > 0 and c.flops > 0:
                 effs.append(c.flops / machine.peak_flops / compute_time)
         if effs:
             eff = min(max(statistics.median(effs), 1e-3), max_compute_efficiency)
         cal = Calibration(1.0, eff, a, b)
     return cal
+
+
+def mean_sample(a: Sample, b: Sample) -> Sample:
+    """Two measurements of the same step (two passes): the mean of their seconds."""
+    if a.step != b.step:
+        raise ValueError(f"mean_sample needs the same step twice, got {a.step[:2]}... and {b.step[:2]}...")
+    return Sample(a.step, (a.seconds + b.seconds) / 2)
+
+
+def mean_profile(a: dict, b: dict, keys: tuple) -> dict:
+    """Two passes of a ``hardware`` profile (same grid): ``a`` with each of ``keys`` (a list, or a
+    list of lists) replaced by the element-wise mean."""
+    def mean(x: Any, y: Any) -> Any:
+        if isinstance(x, list):
+            if not isinstance(y, list) or len(x) != len(y):
+                raise ValueError("mean_profile needs two profiles on the same grid")
+            return [mean(p, q) for p, q in zip(x, y)]
+        return (x + y) / 2
+
+    return {**a, **{k: mean(a[k], b[k]) for k in keys}}
+
+
+def mean_cells(a: dict, b: dict) -> dict:
+    """Two passes of :func:`measured_cells` (the same bench, the same steps): each cell's seconds
+    averaged, its throughput the output tokens over that mean; ``passes_tokens_per_s`` keeps both."""
+    out = {}
+    for cell in a:
+        x, y = a[cell], b.get(cell)
+        if y is None or x["steps"] != y["steps"] or x["output_tokens"] != y["output_tokens"]:
+            raise ValueError(f"mean_cells: the two passes of {cell!r} ran different steps or tokens")
+        sec = (x["seconds"] + y["seconds"]) / 2
+        out[cell] = {**x, "seconds": sec, "tokens_per_s": x["output_tokens"] / sec,
+                     "passes_tokens_per_s": [x["tokens_per_s"], y["tokens_per_s"]]}
+    return out
 
 
 # -- prediction -----------------------------------------------------------------------------------
@@ -434,12 +500,17 @@ def measure_factorial(model: Any, setup_kwargs: dict, seed: int = 0, roofline_ba
 def compare(machine: GPUSpec, model: ModelSpec, calibration_decode: Seq[Sample], calibration_prefill: Seq[Sample],
             validation_decode: Seq[Sample], workload_requests: Seq[tuple[int, int]] = (),
             workload_measured: dict | None = None, workload_samples: Seq[Sample] = (),
-            shape: EngineShape = EngineShape(), factorial: tuple[FactorialSetup, dict] | None = None) -> dict:
+            shape: EngineShape = EngineShape(), factorial: tuple[FactorialSetup, dict] | None = None,
+            profile: LinearProfile | None = None, attention: AttentionProfile | None = None) -> dict:
     """Calibrate on the calibration samples, predict the rest, and report every error (no
     timing happens here: the measurements are arguments). ``factorial``: the bench's setup and
-    its measured cells (:func:`measured_cells`), each predicted with the same calibration."""
-    cal = fit_calibration(machine, model, calibration_decode, calibration_prefill)
-    cost = cost_model(machine, model, cal)
+    its measured cells (:func:`measured_cells`), each predicted with the same calibration.
+    ``profile``: the linear layers' measured times (``hardware.linear_profile``), which replace
+    the roofline's weight terms; ``attention``: decode attention's measured times
+    (``hardware.attention_profile``), which replace its K/V reads; without them, the roofline alone."""
+    cal = fit_calibration(machine, model, calibration_decode, calibration_prefill, profile=profile,
+                          attention=attention)
+    cost = cost_model(machine, model, cal, profile, attention)
 
     def row(s: Sample, role: str) -> dict:
         p = cost.step_time(s.step)
@@ -455,8 +526,15 @@ def compare(machine: GPUSpec, model: ModelSpec, calibration_decode: Seq[Sample],
                  "calibration": {"bandwidth_efficiency": cal.bandwidth_efficiency,
                                  "compute_efficiency": cal.compute_efficiency,
                                  "step_overhead_s": cal.step_overhead_s, "seq_overhead_s": cal.seq_overhead_s,
-                                 "fitted_on": "the calibration rows: decode steps (overheads), prefill steps "
-                                              "(compute efficiency); the bandwidth as measured"},
+                                 "token_overhead_s": cal.token_overhead_s,
+                                 "fitted_on": ("the calibration rows: decode steps (overheads per step and per "
+                                               "sequence), prefill steps (per token); every matmul and all attention "
+                                               "measured by the profiles" if attention is not None and
+                                               attention.prefill is not None else
+                                               "the calibration rows: decode steps (overheads), prefill steps "
+                                               "(compute efficiency); the bandwidth as measured")},
+                 "linear_profile": profile.to_dict() if profile is not None else None,
+                 "attention_profile": attention.to_dict() if attention is not None else None,
                  "steps": rows, "target_error": TARGET_ERROR}
     errors = [abs(r["error"]) for r in rows if r["role"] == "validation"]
     if workload_measured is not None:
@@ -484,8 +562,15 @@ def format_report(res: dict) -> str:
     m, c = res["machine"], res["calibration"]
     lines = [f"this CPU: read {m['read_GBps']:.1f} GB/s, fp32 GEMM {m['gemm_GFLOPs']:.0f} GFLOP/s; "
              f"{res['model']['name']} at {res['model']['dtype_bytes']} bytes/weight (the plain route)",
+             ("linear layers: their measured time at each row count (hardware.linear_profile, on the model's own "
+              "weights); the roofline prices attention's K/V and FLOPs" if res.get("linear_profile") else
+              "linear layers: the roofline (weights read once a step, 2 FLOPs a weight a token)"),
+             ("attention: its measured time as the route runs it, call by call (hardware.attention_profile for "
+              "decodes, hardware.attention_timer for each prefill shape)"
+              if res.get("attention_profile") else "attention: the roofline (each context's K and V read once)"),
              f"calibration: step overhead {c['step_overhead_s'] * 1e3:.2f} ms, per sequence "
-             f"{c['seq_overhead_s'] * 1e3:.3f} ms, compute efficiency {c['compute_efficiency']:.2f} of the GEMM rate, "
+             f"{c['seq_overhead_s'] * 1e3:.3f} ms, per token {c.get('token_overhead_s', 0.0) * 1e3:.3f} ms, compute efficiency {c['compute_efficiency']:.2f} of the GEMM rate"
+             f"{' (attention)' if res.get('linear_profile') else ''}, "
              f"bandwidth as measured",
              f"{'role':<12}{'batch':>6}{'tokens':>7}{'context':>8}{'measured ms':>13}{'predicted ms':>14}"
              f"{'bound':>9}{'error':>8}"]
@@ -524,7 +609,8 @@ def format_report(res: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["TARGET_ERROR", "FACTORIAL_CELLS", "Sample", "EngineShape", "FactorialSetup", "machine_spec",
+__all__ = ["TARGET_ERROR", "FACTORIAL_CELLS", "Sample", "LinearProfile", "AttentionProfile", "route_decode_groups", "mean_sample",
+           "mean_profile", "mean_cells", "EngineShape", "FactorialSetup", "machine_spec",
            "model_spec_of", "cost_model", "fit_calibration", "predict_steps", "error", "decode_step",
            "simulate_workload", "workload",
            "factorial_setup", "check_setup", "factorial_scheduler", "simulate_cell", "measured_cells",
