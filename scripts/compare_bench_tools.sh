@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Measure one `minipaged serve` with three load generators on the same load, streaming (their
-# default mode): `minipaged bench serve`, the vLLM project's guidellm and NVIDIA's aiperf. All
+# default mode; guidellm also not streamed): `minipaged bench serve`, the vLLM project's guidellm and NVIDIA's aiperf. All
 # three send /v1/completions with IN prompt tokens and exactly OUT output tokens (ignore_eos),
 # N requests at RATE per second, constant arrivals. The tools pull large dependencies (guidellm
 # brings torch, ~6 GB; aiperf ~1 GB), so each is installed once in its own venv under $TOOLS
 # (default build/bench-tools) and this script is not part of `make test`. Writes
-# $WORK/out/{minipaged,guidellm,aiperf}.txt (+ their JSON) and a summary of request throughput
+# $WORK/out/{minipaged,guidellm,guidellm_not_streamed,aiperf}.txt (+ their JSON) and a summary of request throughput
 # and TTFT p50 per tool (summary.txt) for docs/serving.md's table.
 #
 #   scripts/compare_bench_tools.sh                        # the default model, 32 requests at 1 req/s
@@ -84,12 +84,16 @@ curl -sf "$URL/health" >/dev/null || { echo "the server did not come up: see $WO
   --num-requests "$N" --rate "$RATE" --arrival constant --no-progress --json "$WORK/out/minipaged.json" \
   | tee "$WORK/out/minipaged.txt" || echo "minipaged bench serve failed (exit $?): see its output above"
 
-"${ON_TOOLS[@]}" "$TOOLS/guidellm/bin/guidellm" run \
-  --backend "kind=openai_http,target=$URL,model=smollm2,request_format=/v1/completions" \
-  --profile "kind=constant,rate=$RATE" --constraint "kind=max_requests,count=$N" \
-  --data "kind=synthetic_text,prompt_tokens=$IN,output_tokens=$OUT" --tokenizer "kind=hf_auto,model=$TOK" \
-  --output "kind=json,path=$WORK/out/guidellm.json" --output kind=console --disable-progress \
-  | tee "$WORK/out/guidellm.txt" || echo "guidellm failed (exit $?): see its output above"
+guidellm() {  # guidellm OUTNAME STREAM: one guidellm run of the load, streamed or not
+  "${ON_TOOLS[@]}" "$TOOLS/guidellm/bin/guidellm" run \
+    --backend "kind=openai_http,target=$URL,model=smollm2,request_format=/v1/completions,stream=$2" \
+    --profile "kind=constant,rate=$RATE" --constraint "kind=max_requests,count=$N" \
+    --data "kind=synthetic_text,prompt_tokens=$IN,output_tokens=$OUT" --tokenizer "kind=hf_auto,model=$TOK" \
+    --output "kind=json,path=$WORK/out/$1.json" --output kind=console --disable-progress \
+    | tee "$WORK/out/$1.txt" || echo "guidellm ($1) failed (exit $?): see its output above"
+}
+guidellm guidellm true
+guidellm guidellm_not_streamed false
 
 "${ON_TOOLS[@]}" "$TOOLS/aiperf/bin/aiperf" profile --model smollm2 --url "$URL" --endpoint-type completions --streaming \
   --tokenizer "$TOK" --isl "$IN" --isl-stddev 0 --osl "$OUT" --osl-stddev 0 --extra-inputs ignore_eos:true \
@@ -97,10 +101,12 @@ curl -sf "$URL/health" >/dev/null || { echo "the server did not come up: see $WO
   --artifact-dir "$WORK/out/aiperf" | tee "$WORK/out/aiperf.txt" || echo "aiperf failed (exit $?): see its output above"
 
 # One line per tool: request throughput (req/s) and TTFT p50 (ms), read from each tool's own output.
-"$PY" - "$WORK/out" <<'PYEOF' | tee "$WORK/out/summary.txt"
+SETTINGS="N=$N RATE=$RATE IN=$IN OUT=$OUT, server pinned: ${ON_SERVER[*]:-no}, $(nproc) CPUs, $(date -u +%Y-%m-%d)"
+"$PY" - "$WORK/out" "$SETTINGS" <<'PYEOF' | tee "$WORK/out/summary.txt"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
+print(f"scripts/compare_bench_tools.sh: {sys.argv[2]}")
 
 def read(name, get):
     try:
@@ -112,17 +118,26 @@ def minipaged():
     m = json.loads((out / "minipaged.json").read_text())
     return m["request_throughput"], m["ttft_ms"]["p50"]
 
-def guidellm():  # guidellm 0.8: benchmarks[0].metrics.<metric>.successful.{mean,median}
-    b = json.loads((out / "guidellm.json").read_text())["benchmarks"][0]["metrics"]
-    return b["requests_per_second"]["successful"]["mean"], b["time_to_first_token_ms"]["successful"]["median"]
+def guidellm(name="guidellm", ttft=True):  # guidellm 0.8: benchmarks[0].metrics.<metric>.successful.{mean,median}
+    b = json.loads((out / f"{name}.json").read_text())["benchmarks"][0]["metrics"]
+    thr = b["requests_per_second"]["successful"]["mean"]
+    return thr, (b["time_to_first_token_ms"]["successful"]["median"] if ttft else "- (not streamed)")
 
 def aiperf():  # aiperf 0.13: profile_export_aiperf.json, <metric>.{avg,p50}
     a = json.loads(next((out / "aiperf").rglob("profile_export_aiperf.json")).read_text())
     return a["request_throughput"]["avg"], a["time_to_first_token"]["p50"]
 
 fmt = lambda v, p: f"{v:.{p}f}" if isinstance(v, (int, float)) else str(v)  # noqa: E731
-print(f"{'tool':24} {'req/s':>8} {'TTFT p50 ms':>12}")
-for name, thr, ttft in (read("minipaged bench serve", minipaged), read("guidellm", guidellm), read("aiperf", aiperf)):
-    print(f"{name:24} {fmt(thr, 3):>8} {fmt(ttft, 1):>12}")
+rows = (read("minipaged bench serve", minipaged), read("guidellm", guidellm),
+        read("guidellm, not streamed", lambda: guidellm("guidellm_not_streamed", ttft=False)), read("aiperf", aiperf))
+_, thr0, ttft0 = rows[0]
+
+def vs(v, ref):  # this tool's figure against minipaged bench serve's, as a signed difference
+    ok = isinstance(v, (int, float)) and isinstance(ref, (int, float)) and ref
+    return f"{v / ref - 1:+.1%}" if ok else "-"
+
+print(f"{'tool':24} {'req/s':>8} {'vs bench':>9} {'TTFT p50 ms':>16} {'vs bench':>9}")
+for name, thr, ttft in rows:
+    print(f"{name:24} {fmt(thr, 3):>8} {vs(thr, thr0):>9} {fmt(ttft, 1):>16} {vs(ttft, ttft0):>9}")
 PYEOF
 echo "outputs in $WORK/out: compare request throughput and TTFT p50 (within 10% is agreement)"

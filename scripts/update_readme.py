@@ -290,7 +290,7 @@ def validation_block() -> str:
                      f"| {cell['predicted']['tokens_per_s']:.1f} tok/s | {cell['error']:+.0%} |")
     lines.append("")
     lines.append(f"Within {t:.0%} everywhere: {'yes' if r['within_target'] else 'no'} "
-                 f"(worst {r['worst_validation_error']:.0%}).")
+                 f"(worst {r['worst_validation_error']:.1%}).")
     d = r.get("drift_between_passes")
     if d:
         lines.append(f"Each figure is the mean of two passes, one early and one late in the run; this machine itself "
