@@ -21,17 +21,10 @@
 # releases had `guidellm benchmark --target ...` instead) and aiperf 0.13.0, on Python 3.11;
 # pin them with GUIDELLM_SPEC=guidellm==0.8.1 AIPERF_SPEC=aiperf==0.13.0 if a later release moves.
 # Both ran unchanged against `minipaged serve` (streaming, continuous_usage_stats, ignore_eos,
-# max_tokens / max_completion_tokens): 0 errors. A first, brief run on a shared 2-core CPU
-# (SmolLM2-135M Q4_1, N=8 RATE=0.5 IN=64 OUT=16, ~4 minutes with the tools' start-up):
-#
-#   tool                        req/s  TTFT p50 ms
-#   minipaged bench serve       0.515        223.3
-#   guidellm                    0.558        112.7
-#   aiperf                      0.489        238.1
-#
-# Throughput agrees within 10% (at a fixed arrival rate it mostly measures the rate); TTFT p50
-# over 8 requests on 2 busy cores does not settle (each tool saw different moments of load):
-# the 10% comparison wants the default N=32 or more, on an otherwise idle machine or a GPU.
+# max_tokens / max_completion_tokens): 0 errors. The committed run (the defaults, the server pinned
+# to one core, ~6 minutes with the tools' start-up) is docs/figures/bench_tools.txt: every tool
+# within 10% of `minipaged bench serve` on request throughput and TTFT p50. Unpinned, on 2 busy
+# cores, TTFT does not settle: each tool's own processes take CPU from the server it measures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
