@@ -563,7 +563,7 @@ def format_report(res: dict) -> str:
     lines = [f"this CPU: read {m['read_GBps']:.1f} GB/s, fp32 GEMM {m['gemm_GFLOPs']:.0f} GFLOP/s; "
              f"{res['model']['name']} at {res['model']['dtype_bytes']} bytes/weight (the plain route)",
              ("linear layers: their measured time at each row count (hardware.linear_profile, on the model's own "
-              "weights); the roofline prices attention's K/V and FLOPs" if res.get("linear_profile") else
+              "weights)" if res.get("linear_profile") else
               "linear layers: the roofline (weights read once a step, 2 FLOPs a weight a token)"),
              ("attention: its measured time as the route runs it, call by call (hardware.attention_profile for "
               "decodes, hardware.attention_timer for each prefill shape)"
