@@ -156,11 +156,13 @@ def _time_f_linear(weights: list[torch.Tensor], rows: int, repeats: int) -> floa
 
 
 class attention_timer:
-    """Times ``backend``'s attention for one step's prefill sequences, on demand: called with a
-    tuple of ``(start, num_new)`` pairs, it returns the seconds of ``num_layers`` calls over them
-    (``calls`` calls timed, each with its own scattered block table, median of ``repeats``, scaled
-    to ``num_layers``), once per distinct tuple (kept in ``timed``). For the steps a simulation
-    cannot know in advance (chunked prefills of every length), where a grid would not do."""
+    """Times ``backend``'s attention (an ``AttentionBackend``: the engine's own, ``engine.backend``)
+    for one step's sequences, on demand: called with a tuple of ``(start, num_new)`` pairs
+    (decodes, one new token each, first, as the runner orders them), it returns the seconds of
+    ``num_layers`` calls over them: ``calls`` calls timed, each with its own block table scattered
+    through a cache larger than the CPU's caches (each layer reads its own pages), median of
+    ``repeats``, scaled to ``num_layers``. Each distinct tuple is timed once (kept in ``timed``):
+    for the steps a simulation cannot know in advance (chunked prefills of every length)."""
 
     def __init__(self, backend: Any, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int = 16, calls: int = 4, repeats: int = 3, num_blocks: int = 4096,
@@ -174,6 +176,8 @@ class attention_timer:
 
     @torch.inference_mode()
     def __call__(self, pairs: tuple) -> float:
+        import itertools
+
         pairs = tuple((int(a), int(n)) for a, n in pairs)
         if pairs in self.timed:
             return self.timed[pairs]
@@ -187,13 +191,14 @@ class attention_timer:
             raise ValueError(f"attention_timer: {len(pairs)} sequences of up to {max(ctx)} tokens need {total} blocks; "
                              f"the timer has {num_blocks} (raise num_blocks)")
         n_tok = sum(n for _, n in pairs)
+        num_decodes = next((i for i, (_, n) in enumerate(pairs) if n != 1), len(pairs))
         q = torch.randn(n_tok, self.num_heads, self.head_dim, dtype=self.dtype, generator=self.g)
         out = torch.empty_like(q)
-        qsl = torch.tensor([0] + [sum(n for _, n in pairs[: i + 1]) for i in range(len(pairs))], dtype=torch.int32)
+        qsl = torch.tensor([0, *itertools.accumulate(n for _, n in pairs)], dtype=torch.int32)
         cl = torch.tensor(ctx, dtype=torch.int32)
         metas = [AttentionMetadata(torch.zeros(n_tok, dtype=torch.long),
                                    torch.randperm(num_blocks, generator=self.g)[:total].view(len(pairs), nb).to(torch.int32),
-                                   cl, qsl, num_decodes=0) for _ in range(self.calls)]
+                                   cl, qsl, num_decodes=num_decodes) for _ in range(self.calls)]
         t = _median(lambda: [self.backend.forward(q, self.k, self.v, m, self.head_dim ** -0.5, out) for m in metas],
                     self.repeats)
         self.timed[pairs] = t * self.num_layers / self.calls
@@ -204,39 +209,18 @@ ATTENTION_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 ATTENTION_CONTEXTS = (32, 64, 128, 256, 512, 1024)
 
 
-@torch.inference_mode()
 def attention_profile(backend: Any, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                       block_size: int = 16, batches: tuple[int, ...] = ATTENTION_BATCHES,
                       contexts: tuple[int, ...] = ATTENTION_CONTEXTS, repeats: int = 5,
                       dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, Any]:
-    """Decode attention as ``backend`` (an ``AttentionBackend``: the engine's own, ``engine.backend``)
-    runs it, timed for one step: ``num_layers`` calls, each over ``batch`` sequences of ``context``
-    keys with blocks scattered through a cache larger than the CPU's caches (a fresh block table
-    per layer, as each layer reads its own pages). ``seconds[i][j]``: median of ``repeats`` at
-    ``batches[i]``, ``contexts[j]`` (``minipaged.bench.gpu.cost.AttentionProfile``)."""
-    from ..attention import AttentionMetadata
-
-    g = torch.Generator().manual_seed(seed)
+    """Decode attention as ``backend`` runs it, on a grid: ``seconds[i][j]``, one step (all
+    ``num_layers`` calls, each layer its own pages) over ``batches[i]`` sequences of ``contexts[j]``
+    keys, timed by :class:`attention_timer` (median of ``repeats``;
+    ``minipaged.bench.gpu.cost.AttentionProfile``)."""
     per_seq = -(-max(contexts) // block_size)
-    num_blocks = max(max(batches) * per_seq, 4096)
-    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, generator=g)
-    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, generator=g)
-    scale = head_dim ** -0.5
-    seconds = []
-    for b in batches:
-        row = []
-        q = torch.randn(b, num_heads, head_dim, dtype=dtype, generator=g)
-        out = torch.empty_like(q)
-        qsl = torch.arange(b + 1, dtype=torch.int32)
-        for c in contexts:
-            nb = -(-c // block_size)
-            metas = []
-            for _ in range(num_layers):
-                tables = torch.randperm(num_blocks, generator=g)[: b * nb].view(b, nb).to(torch.int32)
-                metas.append(AttentionMetadata(torch.zeros(b, dtype=torch.long), tables,
-                                               torch.full((b,), c, dtype=torch.int32), qsl, num_decodes=b))
-            row.append(_median(lambda: [backend.forward(q, k, v, m, scale, out) for m in metas], repeats))
-        seconds.append(row)
+    timer = attention_timer(backend, num_layers, num_heads, num_kv_heads, head_dim, block_size, calls=num_layers,
+                            repeats=repeats, num_blocks=max(max(batches) * per_seq, 4096), dtype=dtype, seed=seed)
+    seconds = [[timer(((c - 1, 1),) * b) for c in contexts] for b in batches]
     return {"batches": list(batches), "contexts": list(contexts), "seconds": seconds, "backend": backend.name,
             "layers": num_layers, "repeats": repeats, "threads": torch.get_num_threads()}
 

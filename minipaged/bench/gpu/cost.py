@@ -13,8 +13,9 @@ a :class:`LinearProfile` prices the weights (a GEMM library's rate at 2 rows is 
 on this CPU PyTorch's fp32 matmul is slower at 2-4 rows than at 8) and an
 :class:`AttentionProfile` prices decode attention as the route runs it (the plain route gathers
 every sequence's blocks into a padded copy and runs SDPA over it: several passes over K and V,
-not the one a paged kernel makes). What no profile covers (prefill attention, K/V writes) and
-the overheads stay the roofline's.
+not the one a paged kernel makes; prefills' attention timed shape by shape where a timer is
+given). What no profile covers (K/V writes, and prefills' attention without a timer) and the
+overheads stay the roofline's.
 
 Nothing here runs a model; the simulator calls :meth:`StepCostModel.step_time` once per step.
 """
@@ -119,6 +120,14 @@ class Calibration:
 DEFAULT_CALIBRATION = Calibration()
 
 
+def _axis(what: str, values: Iterable) -> tuple:
+    """A profile's grid axis as ints, refused unless distinct, increasing and >= 1."""
+    v = tuple(int(x) for x in values)
+    if not v or list(v) != sorted(set(v)) or v[0] < 1:
+        raise ValueError(f"{what} must be distinct, increasing and >= 1, got {list(v)}")
+    return v
+
+
 def _interp(xs: tuple, ys: tuple, x: float) -> float:
     """Piecewise-linear through ``(xs, ys)`` (xs increasing); past the last point, the last
     segment's slope (the cost per row keeps growing as it last did); 0 at x <= 0."""
@@ -149,9 +158,7 @@ class LinearProfile:
     source: str = "measured"
 
     def __post_init__(self) -> None:
-        r = tuple(int(x) for x in self.rows)
-        if not r or list(r) != sorted(set(r)) or r[0] < 1:
-            raise ValueError(f"a linear profile's rows must be distinct, increasing and >= 1, got {list(self.rows)}")
+        r = _axis("a linear profile's rows", self.rows)
         if len(self.body_s) != len(r) or len(self.head_s) != len(r):
             raise ValueError(f"a linear profile needs one body and one head time per row: {len(r)} rows, "
                              f"{len(self.body_s)} body and {len(self.head_s)} head times")
@@ -198,10 +205,7 @@ class AttentionProfile:
 
     def __post_init__(self) -> None:
         for name in ("batches", "contexts"):
-            v = tuple(int(x) for x in getattr(self, name))
-            if not v or list(v) != sorted(set(v)) or v[0] < 1:
-                raise ValueError(f"an attention profile's {name} must be distinct, increasing and >= 1, got {list(v)}")
-            object.__setattr__(self, name, v)
+            object.__setattr__(self, name, _axis(f"an attention profile's {name}", getattr(self, name)))
         t = tuple(tuple(float(x) for x in row) for row in self.seconds)
         if len(t) != len(self.batches) or any(len(row) != len(self.contexts) for row in t):
             raise ValueError(f"an attention profile needs one time per (batch, context): {len(self.batches)} x "

@@ -133,7 +133,7 @@ def fit_calibration(machine: GPUSpec, model: ModelSpec, decode: Seq[Sample], pre
     prefill samples (many tokens, one sequence) the overhead per token, refined together."""
     if attention is not None and attention.prefill is not None:
         # every matmul and all attention measured: what is left is overhead, per step, per sequence
-        # and per token (the ops no profile covers), one least-squares fit over every sample
+        # and per token (the ops no profile covers)
         bare = cost_model(machine, model, Calibration(1.0, 1.0, 0.0, 0.0), profile, attention)
         dec = [(len(s.step), s.seconds - bare.step_time(s.step)) for s in decode]
         pre = [(len(s.step), sum(n for _, n in s.step), s.seconds - bare.step_time(s.step)) for s in prefill]
@@ -506,8 +506,9 @@ def compare(machine: GPUSpec, model: ModelSpec, calibration_decode: Seq[Sample],
     timing happens here: the measurements are arguments). ``factorial``: the bench's setup and
     its measured cells (:func:`measured_cells`), each predicted with the same calibration.
     ``profile``: the linear layers' measured times (``hardware.linear_profile``), which replace
-    the roofline's weight terms; ``attention``: decode attention's measured times
-    (``hardware.attention_profile``), which replace its K/V reads; without them, the roofline alone."""
+    the roofline's weight terms; ``attention``: attention's measured times (decodes from
+    ``hardware.attention_profile``, prefills from its ``prefill`` timer where given), which replace
+    the roofline's K/V reads and attention FLOPs; without them, the roofline alone."""
     cal = fit_calibration(machine, model, calibration_decode, calibration_prefill, profile=profile,
                           attention=attention)
     cost = cost_model(machine, model, cal, profile, attention)
