@@ -22,9 +22,12 @@ __all__ = [
 
 
 def __getattr__(name):  # the engine pulls in the model code: import it only when asked for
-    if name in ("LLM", "LLMEngine"):
-        from . import engine
-        return getattr(engine, name)
+    if name == "LLM":
+        from .llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from .engine import LLMEngine
+        return LLMEngine
     if name == "SamplingParams":
         from .sampling import SamplingParams
         return SamplingParams

@@ -26,7 +26,7 @@ DEMO_PROMPTS = [
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from .engine import LLM
+    from .llm import LLM
     from .sampling import SamplingParams
 
     torch.set_num_threads(max(1, torch.get_num_threads()))

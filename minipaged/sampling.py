@@ -24,7 +24,8 @@ from __future__ import annotations
 import copy
 import difflib
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import KW_ONLY, dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -49,7 +50,7 @@ class UnsupportedSamplingParam(ValueError):
 # vLLM's SamplingParams fields that minipaged does not implement, and the values that mean
 # "not used" (which are accepted, so code that spells out vLLM's defaults still runs).
 UNSUPPORTED: dict[str, tuple] = {
-    "best_of": (None,),  # also accepted when equal to n (see __init__)
+    "best_of": (None,),  # also accepted when equal to n
     "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,),
     "guided_decoding": (None,),
@@ -79,13 +80,13 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k<=0`` and ``top_p=1`` switch those filters off.
     ``max_tokens=None`` generates until the model's context is full (or a stop rule ends it).
 
-    Every field is checked when the params are made, when a field is set, and again when a
-    request is added: ``temperature`` is 0 or a finite number >= MIN_TEMPERATURE (0.01); ``seed``
-    is None or an int in 0..2**63-1; ``bool`` is never taken for an int. Setting a field after
-    construction (``sp.repetition_penalty = 1.2``, as vLLM scripts do) is checked at once and
-    takes effect for every request added afterwards (a request's stop settings, such as
-    ``max_tokens``, are copied onto its sequence when it is added); setting a name that is no
-    field is an AttributeError, and one of vLLM's unsupported fields an UnsupportedSamplingParam.
+    ``validate()`` checks every field, and it runs twice: when the params are made, and again
+    when a request is added (``LLMEngine.add_request``). So a field set after construction
+    (``sp.repetition_penalty = 1.2``, as vLLM scripts do) takes effect for every request added
+    afterwards, and a bad value set that way is refused there with the message construction would
+    have given. ``temperature`` is 0 or a finite number >= MIN_TEMPERATURE (0.01); ``seed`` is None
+    or an int in 0..2**63-1; ``bool`` is never taken for an int. A misspelt keyword is a TypeError
+    and a name that is no field an AttributeError, each naming the nearest field.
     """
 
     max_tokens: int | None = 16
@@ -113,41 +114,49 @@ class SamplingParams:
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
     allowed_token_ids: list[int] | None = None
+    # vLLM's fields minipaged does not implement (UNSUPPORTED): only the values that mean "not
+    # used" are taken, so code that spells out vLLM's defaults still runs
+    _: KW_ONLY
+    best_of: int | None = field(default=None, repr=False)  # also taken when equal to n
+    logits_processors: Any = field(default=None, repr=False)
+    truncate_prompt_tokens: int | None = field(default=None, repr=False)
+    guided_decoding: Any = field(default=None, repr=False)
+    structured_outputs: Any = field(default=None, repr=False)
+    bad_words: list[str] | None = field(default=None, repr=False)
+    output_kind: Any = field(default=None, repr=False)
+    extra_args: dict | None = field(default=None, repr=False)
+    use_beam_search: bool = field(default=False, repr=False)
+    length_penalty: float = field(default=1.0, repr=False)
+    early_stopping: bool = field(default=False, repr=False)
+    output_text_buffer_length: int = field(default=0, repr=False)
+    flat_logprobs: bool = field(default=False, repr=False)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "SamplingParams":
+        # the generated __init__ would say only "unexpected keyword argument": name the nearest field
+        for name in kwargs:
+            if name not in _FIELD_NAMES:
+                raise TypeError(f"SamplingParams got an unknown field {name!r}{_nearest_field(name)}")
+        return object.__new__(cls)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_ready", False)
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
         if self.stop is None:
             self.stop = []
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         self.validate()
-        object.__setattr__(self, "_ready", True)
 
-    def __setattr__(self, name: str, value) -> None:
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A name that is no field is refused (a typo would otherwise change nothing, silently); a
+        value is not checked here but by ``validate()``, when the next request is added."""
         if name not in _FIELD_NAMES:
-            if name in UNSUPPORTED:
-                if value in UNSUPPORTED[name]:
-                    return
-                raise _unsupported(name, value)
-            near = difflib.get_close_matches(name, sorted(_FIELD_NAMES), n=1)
-            raise AttributeError(f"SamplingParams has no field {name!r}{f'; did you mean {near[0]!r}?' if near else ''}")
-        if not self.__dict__.get("_ready", False):
-            object.__setattr__(self, name, value)
-            return
+            raise AttributeError(f"SamplingParams has no field {name!r}{_nearest_field(name)}")
         if name == "stop" and isinstance(value, str):
             value = [value]
-        old = self.__dict__.get(name)
         object.__setattr__(self, name, value)
-        try:
-            self.validate()
-        except (ValueError, TypeError):
-            object.__setattr__(self, name, old)  # a bad value leaves the params as they were
-            raise
 
     def validate(self) -> None:
         """Raise ValueError (TypeError for a wrong type) naming the bad field and what it takes."""
+        self._refuse_unsupported()
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None (to the end of the context), got {self.max_tokens!r}")
         t = self.temperature
@@ -208,6 +217,15 @@ class SamplingParams:
                 or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be None or a non-empty list of token ids, got {self.allowed_token_ids!r}")
 
+    def _refuse_unsupported(self) -> None:
+        """UnsupportedSamplingParam for one of vLLM's fields that minipaged lacks, set to a value that matters."""
+        for name, unused in UNSUPPORTED.items():
+            value = getattr(self, name)
+            if name == "best_of" and value in (None, self.n):
+                continue
+            if not any(value == ok and type(value) is type(ok) for ok in unused):
+                raise _unsupported(name, value)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -239,32 +257,13 @@ class SamplingParams:
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
 
-    def __deepcopy__(self, memo) -> "SamplingParams":
-        return type(self)(**{f.name: copy.deepcopy(getattr(self, f.name), memo) for f in fields(self)})
-
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
-_dataclass_init = SamplingParams.__init__
 
 
-def _init(self, *args, **kwargs) -> None:
-    """vLLM's unsupported fields are refused by name (set to a value that matters), an unknown
-    keyword is a TypeError naming the nearest field, and the rest go to the dataclass."""
-    for name in [k for k in kwargs if k not in _FIELD_NAMES]:
-        value = kwargs.pop(name)
-        if name == "best_of" and value in (None, kwargs.get("n", 1)):
-            continue
-        if name in UNSUPPORTED:
-            if value in UNSUPPORTED[name] and type(value) is type(UNSUPPORTED[name][UNSUPPORTED[name].index(value)]):
-                continue
-            raise _unsupported(name, value)
-        near = difflib.get_close_matches(name, sorted(_FIELD_NAMES | set(UNSUPPORTED)), n=1)
-        raise TypeError(f"SamplingParams got an unknown field {name!r}{f'; did you mean {near[0]!r}?' if near else ''}")
-    _dataclass_init(self, *args, **kwargs)
-
-
-_init.__signature__ = __import__("inspect").signature(_dataclass_init)  # help() shows the fields
-SamplingParams.__init__ = _init
+def _nearest_field(name: str) -> str:
+    near = difflib.get_close_matches(name, sorted(_FIELD_NAMES), n=1)
+    return f"; did you mean {near[0]!r}?" if near else ""
 
 
 @dataclass

@@ -67,14 +67,23 @@ def test_bad_sampling_params_are_refused_when_made(kw, match):
         SamplingParams(**kw)
 
 
-def test_params_changed_after_creation_are_checked_at_add_time(engine):
+@pytest.mark.parametrize("field, value", [("temperature", 1e-45), ("top_p", 0), ("max_tokens", 0), ("stop", [""]),
+                                          ("seed", -1), ("n", 0), ("logprobs", 21), ("ignore_eos", "yes"),
+                                          ("best_of", 4)])
+def test_params_changed_after_creation_are_refused_by_add_request_as_when_made(engine, field, value):
+    with pytest.raises(ValueError) as made:
+        SamplingParams(**{field: value})
     p = SamplingParams(max_tokens=2)
-    with pytest.raises(ValueError, match="temperature"):
-        p.temperature = 1e-45  # checked when it is set, and refused
-    assert p.temperature == 1.0
-    object.__setattr__(p, "temperature", 1e-45)  # forced past that check: add_request checks again
-    with pytest.raises(ValueError, match="temperature"):
+    setattr(p, field, value)  # taken: the value is checked when a request is added, not when it is set
+    assert getattr(p, field) == value
+    with pytest.raises(ValueError) as added:
         engine.add_request([1, 2], p)
+    assert type(added.value) is type(made.value) and str(added.value) == str(made.value)
+    assert not engine.requests and not engine.scheduler.waiting
+    _serves(engine)
+
+
+def test_params_are_checked_against_the_engine_at_add_time(engine):
     p = SamplingParams(stop_token_ids=[10**6])
     with pytest.raises(ValueError, match="stop_token_ids must be in 0..511"):
         engine.add_request([1, 2], p)

@@ -10,13 +10,16 @@ our own words with ``from minipaged import ...`` in place of ``from vllm import 
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
 
 import pytest
 import torch
 
-from minipaged.sampling import (Logprob, Sampler, SamplingParams, UnsupportedSamplingParam, apply_min_p,
+import minipaged.sampling as sampling_module
+from minipaged.sampling import (UNSUPPORTED, Logprob, Sampler, SamplingParams, UnsupportedSamplingParam, apply_min_p,
                                 apply_penalties, prompt_logprobs_of)
 
 # -- SamplingParams -------------------------------------------------------------------------
@@ -52,20 +55,43 @@ def test_a_misspelt_field_is_a_typeerror_naming_the_nearest():
         SamplingParams(presense_penalty=1.0)
 
 
-def test_setting_a_field_after_construction_is_checked_and_takes_effect():
+def test_setting_a_field_after_construction_takes_effect_and_is_checked_by_validate():
     sp = SamplingParams(temperature=0)
     sp.repetition_penalty = 5.0  # as vLLM scripts do
     assert sp.repetition_penalty == 5.0 and sp.changes_logits
+    sp.repetition_penalty = -1.0  # taken here; validate() (add_request runs it) refuses it
     with pytest.raises(ValueError, match="repetition_penalty"):
-        sp.repetition_penalty = -1.0
-    assert sp.repetition_penalty == 5.0  # a refused value leaves the old one
+        sp.validate()
+    sp.repetition_penalty = 5.0
     with pytest.raises(AttributeError, match="did you mean 'repetition_penalty'"):
         sp.repitition_penalty = 2.0
+    sp.bad_words = ["x"]
     with pytest.raises(UnsupportedSamplingParam):
-        sp.bad_words = ["x"]
+        sp.validate()
+    sp.bad_words = None
     sp.stop = "END"
     assert sp.stop == ["END"]
+    sp.validate()
     assert dataclasses.replace(sp, seed=4).seed == 4
+
+
+def test_sampling_params_is_one_dataclass():
+    """Its __init__ is the one @dataclass wrote (nothing replaces it after the class), vLLM's
+    unsupported fields are fields at their "not used" defaults, and setting a field checks nothing."""
+    assert SamplingParams.__init__.__qualname__ == "SamplingParams.__init__"
+    assert "self" in inspect.signature(SamplingParams.__init__).parameters
+    names = {f.name: f for f in dataclasses.fields(SamplingParams)}
+    for name, unused in UNSUPPORTED.items():
+        assert name in names and names[name].default == unused[0] and names[name].kw_only, name
+    tree = ast.parse(inspect.getsource(sampling_module))
+    patched = [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+               if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "SamplingParams"]
+    assert not patched, f"sampling.py assigns to SamplingParams after the class (lines {patched})"
+    sp = SamplingParams()
+    sp.temperature = -3.0  # no check on assignment
+    assert sp.temperature == -3.0
+    assert SamplingParams(3, 0.5).max_tokens == 3  # positional calls keep their meaning
 
 
 @pytest.mark.parametrize("kw", [dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),

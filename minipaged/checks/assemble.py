@@ -381,7 +381,7 @@ def check_engine(build_engine: Callable, folder: str | os.PathLike | None = None
     state = {"current": "loading your parts"}
 
     def body():
-        from ..engine import LLM
+        from ..llm import LLM
 
         parts = load_parts(folder, verbose=False)
         state["current"] = "loading SmolLM2-135M-Instruct"

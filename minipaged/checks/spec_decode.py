@@ -510,7 +510,7 @@ def check_serving(propose_fn: Callable, table_cls: type, timeout: float = 900) -
     state = {"current": "loading SmolLM2-135M-Instruct", "steps": 0}
 
     def body():
-        from ..engine import LLM
+        from ..llm import LLM
         from ..sampling import SamplingParams
         from .assemble import model_and_tokenizer
 
