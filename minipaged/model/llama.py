@@ -138,7 +138,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: Ops = PLAIN_OPS) -> torch.Tensor:  # (N, C) -> (N, C), via (N, I)
-        return ops.linear(self.down_proj, ops.silu_mul(ops.linear(self.gate_proj, x), ops.linear(self.up_proj, x)))  # SwiGLU
+        gate, up = ops.linear(self.gate_proj, x), ops.linear(self.up_proj, x)  # (N, I) each
+        return ops.linear(self.down_proj, ops.silu_mul(gate, up))  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
