@@ -97,7 +97,7 @@ def _info(args: argparse.Namespace) -> int:
         print("triton: not installed (fine on macOS: attention='torch' is used)")
     print(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '(unset)')}")
     from .cpu import build
-    from .cpu.executor import mkl_packing_available
+    from .plan import mkl_packing_available
 
     cinfo = build.info()
     if cinfo.get("why_not"):

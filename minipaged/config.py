@@ -40,7 +40,7 @@ class EngineConfig:
     # Tensor parallelism (minipaged/distributed.py): the model's heads and MLP columns split over
     # this many processes joined by torch.distributed; one scheduler on the driver.
     tensor_parallel_size: int = 1
-    # -- speed: every fast path is chosen once, per engine, by minipaged/cpu/executor.py ----------
+    # -- speed: every fast path is chosen once, per engine, by minipaged/plan.py ----------------
     # The master switch. False: the plain PyTorch model and the chosen attention backend only
     # (the route the lessons teach). Default from $MINIPAGED_FAST_PATHS (0 turns it off).
     fast_paths: bool = field(default_factory=lambda: _env_on("MINIPAGED_FAST_PATHS"))

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-import types
 import weakref
 from typing import Any
 
@@ -294,8 +293,8 @@ class _Group:
 
 class TensorParallelExecutor:
     """The executor of an engine with ``tensor_parallel_size`` > 1: the same face as
-    cpu.executor.Executor (forward, greedy_tokens, compute_logits, copy_blocks, plan, backend,
-    last_route), with the driver's own shard computed here and the others in worker processes."""
+    executor.Executor (forward, greedy_tokens, compute_logits, prompt_logits, copy_blocks, plan,
+    backend, last_route), with the driver's own shard computed here and the others in worker processes."""
 
     def __init__(self, config: Any, model: nn.Module, device: torch.device, attention: Any, kv_cache: KVCache) -> None:
         size = config.tensor_parallel_size
@@ -346,18 +345,23 @@ class TensorParallelExecutor:
                                  "with two all-reduces per layer"}
         kv = shards[0].kv_heads[1] - shards[0].kv_heads[0]
         split = "split" if cfg.num_kv_heads % size == 0 else "replicated"
-        routes = {
-            "kv_write": f"{self.backend.name} on each rank's {kv} KV head(s) ({split})",
-            "decode_attention": f"{self.backend.name}, {shards[0].heads[1] - shards[0].heads[0]} query heads per rank",
-            "prefill_attention": f"{self.backend.name}, per rank",
-            "linear": f"torch, split over {size} ranks (q/k/v/gate/up by columns, o/down by rows + all-reduce)",
-            "elementwise": "torch (replicated)",
-            "whole_step_decode": "off (layer by layer)",
-            "next_token": "sampler on the driver (LM head replicated)",
-        }
-        from .cpu.executor import Plan  # the plan's type only
+        from .model.llama import plain_ops
+        from .plan import Plan, speculative_stage
 
-        self.plan = Plan(types.MappingProxyType(routes), types.MappingProxyType(refused), self.backend.name)
+        # every rank runs the plain table on its shard (its linear layers' hooks all-reduce)
+        ops = plain_ops(self.backend).relabel(
+            kv_write=f"{self.backend.name} on each rank's {kv} KV head(s) ({split})",
+            decode_attention=f"{self.backend.name}, {shards[0].heads[1] - shards[0].heads[0]} query heads per rank",
+            prefill_attention=f"{self.backend.name}, per rank",
+            linear=f"torch, split over {size} ranks (q/k/v/gate/up by columns, o/down by rows + all-reduce)",
+            elementwise="torch (replicated)")
+        stages = {"whole_step_decode": "off (layer by layer)", "next_token": "sampler on the driver (LM head replicated)",
+                  "prompt_logprobs": "one more pass of the prompt through the whole model on the driver (plain, "
+                                     "a scratch cache)"}
+        spec_route, limit = speculative_stage(config, device, "every rank's shard (a prefill-shaped step)")
+        if spec_route is not None:
+            stages["speculative"] = spec_route
+        self.plan = Plan(ops, stages, refused, self.backend.name, attention=self.backend, speculative_batch_limit=limit)
 
     def copy_blocks(self, pairs: list) -> None:
         from .prefix_cache import copy_blocks
@@ -400,6 +404,14 @@ class TensorParallelExecutor:
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.shard_model.compute_logits(hidden)
+
+    @torch.no_grad()
+    def prompt_logits(self, token_ids: list[int], block_size: int) -> torch.Tensor:
+        """prompt_logprobs' pass: the whole model on the driver, plain, into a scratch cache."""
+        from .executor import scratch_pass
+
+        ids, positions, cache, meta = scratch_pass(self.model, token_ids, block_size, self.kv_cache.k[0].device)
+        return self.model.compute_logits(self.model(ids, positions, cache, meta))
 
     def weight_bytes_read(self) -> None:
         return None

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from .cpu.executor import Plan, make_executor
+from .executor import make_executor
+from .plan import Plan
 from .config import CONFIG_FIELDS, PARTS_FIELDS, EngineConfig, Parts, split_kwargs
 from .block_allocator import BlockAllocator
 from .block_table import BlockTable
@@ -51,7 +52,7 @@ from .engine_stats import EngineTotals, engine_stats
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: F401 - vLLM's output types, importable from here too
 from .sampling import Sampler, SamplingParams, prompt_logprobs_of
 from .scheduler import Scheduler
-from .spec_decode import CPU_DISABLE_BY_BATCH_SIZE, SpecDecoder, SpeculativeConfig
+from .spec_decode import SpecDecoder, SpeculativeConfig
 
 
 @dataclass
@@ -330,7 +331,7 @@ class LLMEngine:
         self.sampler = Sampler()
         # speculative decoding: n-gram drafts, verified in the step's one forward pass (None: off)
         self.spec = (SpecDecoder(spec, config.max_model_len,
-                                 disable_by_batch_size=CPU_DISABLE_BY_BATCH_SIZE if self.device.type == "cpu" else None,
+                                 disable_by_batch_size=self.executor.plan.speculative_batch_limit,
                                  proposer=parts.proposer)
                      if spec is not None else None)
         self.inputs = InputProcessor(tokenizer, mcfg.vocab_size)  # prompts -> token ids, requests checked
@@ -424,23 +425,9 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _prompt_logprobs(self, token_ids: list[int], k: int) -> list:
-        """vLLM's prompt_logprobs, from one extra pass of the prompt through the model into a
-        scratch cache of its own (the request's own KV is computed as usual by the steps)."""
-        from .attention import TORCH, AttentionMetadata
-
-        n, bs = len(token_ids), self.block_size
-        nblocks = -(-n // bs)
-        cache = KVCache(self.model.config.num_layers, nblocks, bs, self.model.config.num_kv_heads,
-                        self.model.config.head_dim, self.dtype, self.device)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
-            block_tables=torch.arange(nblocks, dtype=torch.int32, device=dev)[None],
-            context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-        )
-        hidden = self.model(torch.tensor(token_ids, device=dev), torch.arange(n, device=dev), cache, meta, TORCH)
-        logits = self.model.compute_logits(hidden).float().cpu()
+        """vLLM's prompt_logprobs, from one extra pass of the prompt into a scratch cache of its own
+        (the request's own KV is computed as usual by the steps), as the plan's prompt_logprobs route says."""
+        logits = self.executor.prompt_logits(token_ids, self.block_size).float().cpu()
         return prompt_logprobs_of(logits, token_ids, k, self._decode_token if self.tokenizer is not None else None)
 
     @classmethod

@@ -5,7 +5,7 @@ the LM head) at each batch size M, two ways: ``minipaged.cpu.kernels.qmatmul`` o
 and PyTorch's ``F.linear`` (MKL) on the fp32 weights; and one layer's MLP up-projection in a loop
 (its weights stay in cache: the kernel's own rate). Prints GFLOP/s beside the fp32 1024^3 matmul
 rate. This is what the executor's plan rests on when it lets the GGUF matmul serve every batch
-(``EngineConfig.gguf_blocks``; minipaged/cpu/executor.py). Run it alone: two heavy jobs on a
+(``EngineConfig.gguf_blocks``; minipaged/plan.py). Run it alone: two heavy jobs on a
 small machine distort every figure.
 
     python scripts/gguf_matmul_crossover.py [--rows 1,4,8,16,64,256,512,2048] [--out docs/figures/gguf_matmul.md]

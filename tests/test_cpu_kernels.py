@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from minipaged.attention import AttentionMetadata
 from minipaged.cpu import build, kernels
-from minipaged.cpu.executor import mkl_packing_available
+from minipaged.plan import mkl_packing_available
 from minipaged.model.config import LlamaConfig
 from minipaged.model.llama import LlamaModel, apply_rope, rope_tables
 
@@ -155,8 +155,8 @@ def _prefill_then_decode(eng, n=20, seed=0):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_layer_walk_with_every_fast_path_off_is_the_model_bit_for_bit(bias):
-    """fast_paths=True with the C kernels and packing off: the executor walks the layers itself
-    (route "layers"), with the model's own maths op for op: the same bits as model.forward."""
+    """fast_paths=True with the C kernels and packing off: model.forward on the plan's table
+    (route "layers"), whose ops are PyTorch's: the same bits as the plain table."""
     model = _tiny(bias=bias)
     walk = _engine(model, c_kernels=False, packed_gemm=False)
     assert walk.plan.routes["linear"] == "torch (F.linear)" and walk.plan.routes["elementwise"] == "torch"

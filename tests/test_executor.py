@@ -1,4 +1,4 @@
-"""One executor per engine, one plan made once (minipaged/cpu/executor.py).
+"""One executor per engine, one plan made once (minipaged/plan.py, minipaged/executor.py).
 
 - the plan names, for every stage, what runs, and for every fast path refused, why; it is
   immutable, printed as a table, in ``stats()``, and each trace step records its route;
@@ -22,7 +22,7 @@ from minipaged import SamplingParams
 from minipaged.attention import reference
 from minipaged.config import EngineConfig
 from minipaged.cpu import build
-from minipaged.cpu.executor import STAGES
+from minipaged.plan import STAGES
 from minipaged.cpu.gguf_blocks import GGUFBlocks
 from minipaged.engine import LLMEngine
 from minipaged.model import load_model

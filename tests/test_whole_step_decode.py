@@ -159,7 +159,7 @@ def test_it_stands_in_only_where_it_is_exact():
         with pytest.raises(ValueError, match="cannot be honoured: the model's own forward runs"):
             engine(model, **ALL_ON)
         hooked_eng = engine(model, c_kernels=True)
-        assert "forward hook" in hooked_eng.plan.refused["layer_walk"]
+        assert "forward hook" in hooked_eng.plan.refused["ops_table"]
         run(hooked_eng, 5)
         assert hooked_eng.executor.last_route == "model" and hooked == [1]
     finally:

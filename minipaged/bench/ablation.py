@@ -1,5 +1,5 @@
 """What each fast path buys: one process, one model, one engine per rung, each rung switching one
-more optimisation on through EngineConfig (minipaged/cpu/executor.py's plan).
+more optimisation on through EngineConfig (minipaged/plan.py's plan).
 
 The ladder: plain (``fast_paths=False``: the Python model and PyTorch's SDPA, the route the
 lessons teach), + the C kernels (paged decode attention, the K/V write, the element-wise ops),

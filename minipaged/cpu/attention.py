@@ -13,7 +13,7 @@ sequence's block table and reads each cached row once, where it lies (csrc/paged
   decode query over its causal prefix, all in one call: no gathered copy, no padding, no masked
   half. Longer chunks over longer contexts go to attention/torch_sdpa.py, which reuses each K/V
   tile across a chunk's queries. :func:`tokens_as_decodes` is the one rule, which the whole-step
-  decode (cpu/executor.py) follows too, so both routes run the same kernel on the same rows.
+  decode (minipaged/executor.py) follows too, so both routes run the same kernel on the same rows.
 
 One instance per engine: the only state, the current step's per-token prefill rows, is that
 engine's. The results equal attention/reference.py's to fp32 rounding (tests/test_attention_fast.py).

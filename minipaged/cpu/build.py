@@ -1,7 +1,7 @@
 """Build and load the C kernels (csrc/kernels.c) once per process, and say what happened.
 
 Owns the compiler, the flags, the cache of built libraries and the one announcement. Nothing
-here decides where a kernel is used: the executor's plan does (executor.py).
+here decides where a kernel is used: the engine's plan does (minipaged/plan.py).
 
 - Built with ``cc -O3 -march=native -fno-trapping-math -fopenmp`` (no PyTorch headers, so it
   compiles in a few seconds), loaded with ``ctypes``; a call releases the GIL.

@@ -181,3 +181,44 @@ def read_blocks(path, config) -> dict[str, GGUFBlocks]:
         blocks.setdefault("lm_head.weight", blocks["model.embed_tokens.weight"])
     blocks.pop("model.embed_tokens.weight", None)  # the lookup reads the fp32 copy
     return blocks
+
+
+class _FileBlocks(dict):
+    """hf name -> GGUFBlocks of one file (a dict that can be weakly referenced)."""
+
+
+def model_blocks(model) -> tuple[dict | None, str | None]:
+    """The GGUF file's blocks for each of ``model``'s linear layers (module -> GGUFBlocks), or why
+    not. They are read once per loaded file and shared by the plans that use them; the model's
+    source keeps only a weak reference, so they are freed with the last plan that used them."""
+    import weakref
+
+    from torch import nn
+
+    source = getattr(model, "source", None)
+    if source is None or source.format != "gguf":
+        return None, "the model was not loaded from a GGUF file (load_model(path.gguf) keeps where it came from)"
+    cached = source.cache.get("gguf_blocks")
+    by_name = cached() if isinstance(cached, weakref.ref) else cached  # blocks made in memory are held as given
+    if by_name is None:
+        by_name = _FileBlocks(read_blocks(source.path, model.config))
+        source.cache["gguf_blocks"] = weakref.ref(by_name)
+    names = {"lm_head.weight": model.lm_head}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and m is not model.lm_head:
+            names[f"model.{name}.weight"] = m
+    blocks = {m: by_name[n] for n, m in names.items() if n in by_name}
+    if not blocks:
+        return None, "the GGUF file holds no Q4_0/Q4_1/Q8_0 linear weights"
+    return blocks, None
+
+
+def blocks_still_match(blocks: dict) -> str | None:
+    """Every weight must still be exactly what its blocks rebuild: weights changed since loading
+    are never served from the file. Checked in full, one layer at a time. None when they match."""
+    for m, b in blocks.items():
+        if tuple(m.weight.shape) != (b.out_features, b.in_features):
+            return "a linear layer's shape differs from the file's"
+        if not torch.equal(b.dequantize_rows(), m.weight.float()):
+            return "the weights were changed after loading, so the file's blocks no longer hold them"
+    return None

@@ -1,6 +1,6 @@
 """Python faces of the C kernels (csrc/): shapes checked, pointers passed, errors named.
 
-Each function assumes the library is built (the executor's plan only routes a stage here when
+Each function assumes the library is built (the engine's plan only puts a kernel in its table when
 ``build.library()`` loaded); none decides whether it should be used. They hold no state.
 
 - ``paged_decode``: one query per sequence over its paged context, read in place (the CPU

@@ -4,8 +4,10 @@ Owns the maths of one forward pass over a flat batch of new tokens: embeddings, 
 grouped-query attention through a backend, SwiGLU MLP, RMSNorm, and the LM head. It does not
 decide which tokens run or where their K/V go: the engine hands it ``positions`` and an
 ``AttentionMetadata`` (slot mapping, block tables) already made. It is plain PyTorch on plain
-``nn.Linear`` layers; every faster route (C kernels, GGUF blocks, the whole-step decode) lives in
-minipaged/cpu/, behind the engine's executor, and is tested bit for bit against this file.
+``nn.Linear`` layers. Every stage calls its kernel from a table of ops (model/ops.py): this file's
+plain table by default, or the one the engine's plan chose (C kernels, GGUF blocks; minipaged/plan.py),
+so this forward is what runs either way. The one fused route, a decode step's layers in one C call,
+is tested bit for bit against this forward on the same table.
 
 Shapes: N = new tokens of all sequences packed together, H = num_heads, H_kv = num_kv_heads,
 D = head_dim, C = hidden_size. Module names follow Hugging Face's, so its weights copy straight in.
@@ -22,6 +24,7 @@ from torch import nn
 from ..attention import TORCH, AttentionBackend, AttentionMetadata
 from ..kv_cache import KVCache
 from .config import LlamaConfig
+from .ops import Op, Ops
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def _add_rmsnorm(norm: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x + y  # the residual stream
+    return norm(x), x
+
+
+def plain_ops(backend: AttentionBackend = TORCH) -> Ops:
+    """The plain table: PyTorch on the model's own modules (so their hooks run), attention through
+    ``backend``. What ``forward`` runs when no table is given."""
+    torch_ = {"elementwise": "torch"}
+    return Ops(
+        linear=Op(lambda m, x: m(x), {"linear": "torch (F.linear)"}),
+        rmsnorm=Op(lambda norm, x: norm(x), torch_),
+        add_rmsnorm=Op(_add_rmsnorm, torch_),
+        rope=Op(lambda q, k, cos, sin: (apply_rope(q, cos, sin), apply_rope(k, cos, sin)), torch_),
+        silu_mul=Op(lambda gate, up: F.silu(gate) * up, torch_),  # SwiGLU's gate
+        write_kv=Op(backend.write_kv, {"kv_write": f"{backend.name} write_kv"}),
+        attention=Op(backend.forward, {"decode_attention": backend.name, "prefill_attention": backend.name}),
+    )
+
+
+PLAIN_OPS = plain_ops(TORCH)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -91,17 +117,17 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,  # (num_blocks, block_size, H_kv, D): this layer's pages
         v_cache: torch.Tensor,
         attn: AttentionMetadata,
-        backend: AttentionBackend,
+        ops: Ops = PLAIN_OPS,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # (N, H, D)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = ops.linear(self.q_proj, x).view(n, self.num_heads, self.head_dim)  # (N, H, D)
+        k = ops.linear(self.k_proj, x).view(n, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
+        v = ops.linear(self.v_proj, x).view(n, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
+        q, k = ops.rope(q, k, cos, sin)
         # K is cached after RoPE, so a cached token never needs rotating again.
-        backend.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
-        o = backend.forward(q, k_cache, v_cache, attn, self.scale)  # (N, H, D): each new token over its whole context
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))  # (N, C)
+        ops.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+        o = ops.attention(q, k_cache, v_cache, attn, self.scale)  # (N, H, D): each new token over its whole context
+        return ops.linear(self.o_proj, o.reshape(n, self.num_heads * self.head_dim))  # (N, C)
 
 
 class MLP(nn.Module):
@@ -111,8 +137,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, C) -> (N, C), via (N, intermediate)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+    def forward(self, x: torch.Tensor, ops: Ops = PLAIN_OPS) -> torch.Tensor:  # (N, C) -> (N, C), via (N, I)
+        gate, up = ops.linear(self.gate_proj, x), ops.linear(self.up_proj, x)  # (N, I) each
+        return ops.linear(self.down_proj, ops.silu_mul(gate, up))  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
@@ -123,9 +150,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, attn, backend) -> torch.Tensor:  # (N, C) -> (N, C)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, attn, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, k_cache, v_cache, attn, ops: Ops = PLAIN_OPS) -> torch.Tensor:  # (N, C) -> (N, C)
+        a = self.self_attn(ops.rmsnorm(self.input_layernorm, x), cos, sin, k_cache, v_cache, attn, ops)
+        h, x = ops.add_rmsnorm(self.post_attention_layernorm, x, a)  # x = x + a; h = its norm
+        return x + self.mlp(h, ops)
 
 
 class LlamaModel(nn.Module):
@@ -155,21 +183,25 @@ class LlamaModel(nn.Module):
         kv_cache: KVCache,
         attn: AttentionMetadata,
         backend: AttentionBackend = TORCH,
+        ops: Ops | None = None,
     ) -> torch.Tensor:
         """Run the new tokens through every layer, storing their K/V; returns (N, C) after the final norm.
 
-        Every layer attends through ``backend`` (the engine passes its own: it is per engine)."""
+        Every stage calls its kernel from ``ops`` (an engine passes its plan's table); without one,
+        the plain table with every layer attending through ``backend``."""
+        if ops is None:
+            ops = PLAIN_OPS if backend is TORCH else plain_ops(backend)
         x = self.embed_tokens(input_ids)  # (N, C)
         # One lookup for all layers; positions past max_position_embeddings raise an IndexError here.
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (N, D)
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v):
-            x = layer(x, cos, sin, k_cache, v_cache, attn, backend)
-        return self.norm(x)
+            x = layer(x, cos, sin, k_cache, v_cache, attn, ops)
+        return ops.rmsnorm(self.norm, x)
 
     @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, ops: Ops = PLAIN_OPS) -> torch.Tensor:
         """(M, C) -> (M, vocab) float32. Only for the rows that get sampled: the head is the widest matmul."""
-        return self.lm_head(hidden).float()
+        return ops.linear(self.lm_head, hidden).float()
 
     def linears(self) -> list[nn.Linear]:
         """Every projection of every layer, and the LM head."""
