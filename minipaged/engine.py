@@ -416,9 +416,11 @@ class LLMEngine:
         a list of token ids, chat messages or a chat request (see ``InputProcessor.encode_prompt``)."""
         return self.inputs.encode_prompt(prompt)
 
-    def render_chat(self, messages: Any, **options: Any) -> str:
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> str:
         """A conversation as prompt text, with vLLM's chat options (see ``InputProcessor.render_chat``)."""
-        return self.inputs.render_chat(messages, **options)
+        return self.inputs.render_chat(messages, add_generation_prompt, continue_final_message, chat_template,
+                                       chat_template_kwargs)
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

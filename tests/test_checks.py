@@ -339,7 +339,7 @@ def test_engine_mismatch_names_the_part_to_blame(tmp_path, monkeypatch, one_thre
     if hasattr(BlockTable, "as_tensor"):
         pytest.skip("needs the engine that serves Protocol-only parts (issue 10's contracts, not merged yet)")
     from minipaged.checks import assemble
-    from minipaged.engine import LLM
+    from minipaged.llm import LLM
 
     folder = tmp_path / "learner"
     folder.mkdir()

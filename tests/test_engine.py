@@ -11,7 +11,8 @@ import torch
 
 from minipaged.block_allocator import BlockAllocator
 from minipaged.block_table import BlockTable
-from minipaged.engine import LLM, LLMEngine
+from minipaged.engine import LLMEngine
+from minipaged.llm import LLM
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import Scheduler
 

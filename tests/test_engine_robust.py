@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from minipaged.attention import TORCH
 from minipaged.detokenizer import IncrementalDetokenizer, StopChecker
-from minipaged.engine import LLM, LLMEngine
+from minipaged.engine import LLMEngine
+from minipaged.llm import LLM
 from minipaged.parts import check_scheduler
 from minipaged.sampling import SamplingParams
 

@@ -19,7 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from minipaged.attention import torch_sdpa
-from minipaged.engine import LLM, LLMEngine
+from minipaged.engine import LLMEngine
+from minipaged.llm import LLM
 from minipaged.parts import check_scheduler
 from minipaged.sampling import SamplingParams
 

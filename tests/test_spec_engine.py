@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minipaged.engine import LLM, LLMEngine
+from minipaged.engine import LLMEngine
+from minipaged.llm import LLM
 from minipaged.parts import check_scheduler
 from minipaged.prefix_cache import check_prefix_cache
 from minipaged.sampling import SamplingParams

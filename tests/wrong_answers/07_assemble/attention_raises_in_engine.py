@@ -9,7 +9,7 @@ EDIT = {"04_paged_attention_torch": (
     "    if q.shape[2] > 32:\n"
     "        raise IndexError(f'head_dim {q.shape[2]} is larger than my scratch buffer of 32')\n")}
 
-from minipaged.engine import LLM
+from minipaged import LLM
 
 
 def build_engine(model, tokenizer, parts, **engine_args):

@@ -3,7 +3,7 @@ the small pool that makes it preempt, chunk and reject."""
 CHECK = "minipaged.checks.assemble:check_engine"
 EXPECT = ["does not use all of your parts and settings", "**engine_args unchanged", "num_blocks=", "(asked for 7)"]
 
-from minipaged.engine import LLM
+from minipaged import LLM
 
 
 def build_engine(model, tokenizer, parts, **engine_args):

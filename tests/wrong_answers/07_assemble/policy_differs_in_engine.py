@@ -8,7 +8,7 @@ EDIT = {"06_scheduler": ("        budget = self.max_num_batched_tokens\n",
                          "        budget = self.max_num_batched_tokens - ((self.allocator.num_blocks, self.allocator.block_size, "
                          "self.max_num_seqs, self.max_num_batched_tokens) == (7, 4, 4, 16))\n")}
 
-from minipaged.engine import LLM
+from minipaged import LLM
 
 
 def build_engine(model, tokenizer, parts, **engine_args):

@@ -2,7 +2,7 @@
 CHECK = "minipaged.checks.assemble:check_engine"
 EXPECT = ["does not use all of your parts", "attention=parts.attention", "minipaged's own"]
 
-from minipaged.engine import LLM
+from minipaged import LLM
 
 
 def build_engine(model, tokenizer, parts, **engine_args):

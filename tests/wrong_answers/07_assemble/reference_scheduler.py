@@ -3,7 +3,7 @@ CHECK = "minipaged.checks.assemble:check_engine"
 EXPECT = ["does not use all of your parts", "scheduler_cls=parts.scheduler_cls"]
 
 from minipaged import Scheduler
-from minipaged.engine import LLM
+from minipaged import LLM
 
 
 def build_engine(model, tokenizer, parts, **engine_args):
