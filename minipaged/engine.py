@@ -57,6 +57,9 @@ from .spec_decode import SpecDecoder, SpeculativeConfig
 
 @dataclass
 class _Request:
+    """The engine's record of one request: its sequence (sample 0, whose id is the request's),
+    every sample, the prompt's text for its outputs, and its prompt logprobs."""
+
     seq: Sequence
     prompt: Any
     samples: list = field(default_factory=list)  # every sequence of the request (n), sample 0 first
@@ -72,8 +75,8 @@ class _Request:
         return self.seq.sampling_params
 
     @classmethod
-    def for_prompt(cls, request_id: str, token_ids: list[int], params: SamplingParams, eos: tuple, tokenizer: Any,
-                   max_model_len: int, arrival: float) -> "_Request":
+    def for_prompt(cls, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, eos: tuple,
+                   tokenizer: Any, max_model_len: int, arrival: float) -> "_Request":
         """A new request: sample 0 is its sequence; with n > 1, samples 1..n-1 wait in its forks
         until the prompt is computed once. Each has its stop checker (``tokenizer`` makes its text)."""
         samples = []
@@ -83,7 +86,7 @@ class _Request:
             q.arrival_time = arrival
             samples.append(q)
         samples[0].forks = samples[1:]
-        return cls(samples[0], None, samples)
+        return cls(samples[0], prompt, samples)
 
     def force_finish(self, scheduler: Any, reason: FinishReason, error: str | None, t0: float) -> None:
         """Finish every sample still going (and sample 0) outside the normal stop rule: abort or
@@ -166,65 +169,7 @@ class _Guard:
         self._lock.release()
 
 
-def _blamed_sequences(scheduler: Any, out: Any) -> list[Sequence]:
-    """The sequences a step that raised ends: ``out`` is what schedule() returned (None: it raised)."""
-    if out is None:  # schedule() itself raised: the sequences it was working on are suspect
-        return list(scheduler.running) + [s for s in scheduler.waiting if s.block_table is not None]
-    if out.is_empty:  # no progress is possible: end everything rather than spin
-        return list(scheduler.running) + list(scheduler.waiting)
-    return [s.seq for s in out.scheduled]
-
-
-def _scrub(req: _Request, kv_cache: Any, prefix_cache: Any) -> None:
-    """Zero the K/V of ``req``'s blocks that no other request can read, so that what a failed
-    step wrote there (a NaN) never reaches the block's next owner."""
-    blocks = req.unshared_blocks(prefix_cache)
-    k, v = getattr(kv_cache, "k", None), getattr(kv_cache, "v", None)
-    if not blocks or not k or not v:
-        return
-    idx = torch.tensor(sorted(blocks), dtype=torch.long, device=k[0].device)
-    for t in list(k) + list(v):
-        t.index_fill_(0, idx, 0)
-
-
-def _nonfinite_rows(values: torch.Tensor) -> list[int]:
-    """The rows of ``values`` (2-D) that hold a NaN or an inf."""
-    ok = torch.isfinite(values).all(dim=-1)
-    return [] if bool(ok.all()) else (~ok).nonzero().flatten().tolist()
-
-
-def _nonfinite_message(step: int, part: str, values: torch.Tensor, rows: list[int]) -> str:
-    kind = "NaN" if bool(torch.isnan(values[rows]).any()) else "inf"
-    return (f"step {step}: the {part} of this request hold {kind} ({len(rows)} row(s)), so its next token would "
-            "be garbage: the request was ended, and no block it wrote in this step was cached")
-
-
-def _token_row_owner(hidden: torch.Tensor, inputs: Any) -> Any:
-    """``seq_of_row(r)``: the sequence whose token row r of ``hidden`` is; None when ``hidden`` is
-    not one row per scheduled token."""
-    qsl = inputs.meta.query_start_loc
-    if hidden.dim() != 2 or hidden.shape[0] != int(qsl[-1]):
-        return None
-    starts = qsl.tolist()
-    order = inputs.order
-    return lambda r: order[bisect.bisect_right(starts, r) - 1].seq
-
-
-def _stamp_token_times(seqs: list[Sequence], sampled: dict, now: float) -> list[Sequence]:
-    """The sequences of ``seqs`` that got tokens this step, with their token (and finish) times set."""
-    changed = []
-    for seq in seqs:
-        if seq.seq_id not in sampled:
-            continue
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
-        if seq.is_finished and seq.finish_time is None:
-            seq.finish_time = now
-        changed.append(seq)
-    return changed
-
-
+# -- building an engine: its settings and its parts, checked ---------------------------------
 def _settings(config: EngineConfig | None, parts: Parts | None, kwargs: dict) -> tuple[EngineConfig, Parts]:
     """The engine's (config, parts): plain keywords split between the two, every part left at None resolved."""
     if config is not None and not isinstance(config, EngineConfig):
@@ -250,7 +195,7 @@ def _fit_config(config: EngineConfig, parts: Parts, mcfg: Any) -> EngineConfig:
 
 def _kv_heads(mcfg: Any, config: EngineConfig) -> int:
     """The KV heads this process caches: each rank's share of them, with tensor parallelism."""
-    if config.tensor_parallel_size == 1:
+    if config.tensor_parallel_size <= 1:
         return mcfg.num_kv_heads
     from .distributed import kv_heads_per_rank
 
@@ -486,9 +431,9 @@ class LLMEngine:
         until the prompt is computed once), each with its stop checker; and its prompt logprobs."""
         source = self.tokenizer if self.tokenizer is not None else self.model.config
         eos = tuple(getattr(source, "eos_token_ids", ()) or ())
-        req = _Request.for_prompt(request_id, token_ids, params, eos, text_tokenizer(self.tokenizer, params),
-                                  self.config.max_model_len, time.perf_counter() - self.t0)
-        req.prompt = self.inputs.prompt_text(prompt)
+        arrival = time.perf_counter() - self.t0
+        req = _Request.for_prompt(request_id, self.inputs.prompt_text(prompt), token_ids, params, eos,
+                                  text_tokenizer(self.tokenizer, params), self.config.max_model_len, arrival)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = self._prompt_logprobs(token_ids, params.prompt_logprobs)
         return req
@@ -730,6 +675,65 @@ class LLMEngine:
         """What the engine did so far, in numbers a person can read (see engine_stats.py)."""
         return engine_stats(self)
 
+
+# -- inside a step: whom a failure ends, and when tokens came -------------------------------
+def _blamed_sequences(scheduler: Any, out: Any) -> list[Sequence]:
+    """The sequences a step that raised ends: ``out`` is what schedule() returned (None: it raised)."""
+    if out is None:  # schedule() itself raised: the sequences it was working on are suspect
+        return list(scheduler.running) + [s for s in scheduler.waiting if s.block_table is not None]
+    if out.is_empty:  # no progress is possible: end everything rather than spin
+        return list(scheduler.running) + list(scheduler.waiting)
+    return [s.seq for s in out.scheduled]
+
+
+def _scrub(req: _Request, kv_cache: Any, prefix_cache: Any) -> None:
+    """Zero the K/V of ``req``'s blocks that no other request can read, so that what a failed
+    step wrote there (a NaN) never reaches the block's next owner."""
+    blocks = req.unshared_blocks(prefix_cache)
+    k, v = getattr(kv_cache, "k", None), getattr(kv_cache, "v", None)
+    if not blocks or not k or not v:
+        return
+    idx = torch.tensor(sorted(blocks), dtype=torch.long, device=k[0].device)
+    for t in list(k) + list(v):
+        t.index_fill_(0, idx, 0)
+
+
+def _nonfinite_rows(values: torch.Tensor) -> list[int]:
+    """The rows of ``values`` (2-D) that hold a NaN or an inf."""
+    ok = torch.isfinite(values).all(dim=-1)
+    return [] if bool(ok.all()) else (~ok).nonzero().flatten().tolist()
+
+
+def _nonfinite_message(step: int, part: str, values: torch.Tensor, rows: list[int]) -> str:
+    kind = "NaN" if bool(torch.isnan(values[rows]).any()) else "inf"
+    return (f"step {step}: the {part} of this request hold {kind} ({len(rows)} row(s)), so its next token would "
+            "be garbage: the request was ended, and no block it wrote in this step was cached")
+
+
+def _token_row_owner(hidden: torch.Tensor, inputs: Any) -> Any:
+    """``seq_of_row(r)``: the sequence whose token row r of ``hidden`` is; None when ``hidden`` is
+    not one row per scheduled token."""
+    qsl = inputs.meta.query_start_loc
+    if hidden.dim() != 2 or hidden.shape[0] != int(qsl[-1]):
+        return None
+    starts = qsl.tolist()
+    order = inputs.order
+    return lambda r: order[bisect.bisect_right(starts, r) - 1].seq
+
+
+def _stamp_token_times(seqs: list[Sequence], sampled: dict, now: float) -> list[Sequence]:
+    """The sequences of ``seqs`` that got tokens this step, with their token (and finish) times set."""
+    changed = []
+    for seq in seqs:
+        if seq.seq_id not in sampled:
+            continue
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        if seq.is_finished and seq.finish_time is None:
+            seq.finish_time = now
+        changed.append(seq)
+    return changed
 
 def __getattr__(name: str) -> Any:
     """``from minipaged.engine import LLM``, as code written before the facade moved to llm.py

@@ -4,24 +4,18 @@ returns. It counts; it decides nothing (the per-step record is trace.py's).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass
 class EngineTotals:
     """Counts over the requests the engine has seen; a retired request's tokens are added here,
     an unfinished one's are read from its sequences."""
 
-    requests: int = 0
-    rejected: int = 0
-    errors: int = 0
-    aborted: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    preemptions: int = 0
-    first_arrival: float | None = None
-    last_finish: float = 0.0
+    def __init__(self) -> None:
+        self.requests = self.rejected = self.errors = self.aborted = 0  # added; of them refused, failed, aborted
+        self.generated_tokens = self.prompt_tokens = self.preemptions = 0
+        self.first_arrival: float | None = None
+        self.last_finish = 0.0
 
     def added(self, seq: Any) -> None:
         """A request (its first sequence ``seq``) was handed to the scheduler."""
