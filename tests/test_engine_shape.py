@@ -70,9 +70,32 @@ def test_each_part_of_serving_lives_in_its_module():
     from minipaged.engine import LLM  # code written before the facade moved keeps working
 
     assert LLM is llm.LLM
-    assert engine.LLMEngine.encode_prompt.__module__ == "minipaged.engine"  # a thin door onto inputs.py
     defined = {n.name for n in ast.parse((ROOT / "engine.py").read_text()).body
                if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
     assert not defined & {"LLM", "_Mailbox", "_KeepSpecialTokens", "_check_encodable", "_is_chat"}, defined
-    assert callable(inputs.InputProcessor.encode_prompt) and callable(inputs.InputProcessor.render_chat)
-    assert callable(output_processor.request_output) and callable(output_processor.stop_reason)
+    where = {"InputProcessor": inputs, "check_encodable": inputs, "as_prompt_list": inputs, "request_output": output_processor,
+             "stop_reason": output_processor, "text_tokenizer": output_processor, "_Mailbox": llm}
+    for name, module in where.items():
+        assert getattr(module, name).__module__ == module.__name__, name
+
+
+def test_input_processing_stands_alone_without_an_engine():
+    import pytest
+
+    from minipaged.inputs import InputProcessor, fit_max_tokens
+    from minipaged.sampling import SamplingParams
+
+    p = InputProcessor(None, vocab_size=10)
+    assert p.encode_prompt([1, 2]) == [1, 2] and p.encode_prompt({"prompt_token_ids": [3]}) == [3]
+    with pytest.raises(ValueError, match="no tokenizer"):
+        p.encode_prompt("hi")
+    with pytest.raises(ValueError, match=r"token ids must be in 0..9"):
+        p.encode_prompt([10])
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        p.check_params(SamplingParams(stop=["x"]), max_num_seqs=4)
+    sp = SamplingParams(max_tokens=None)
+    fitted = fit_max_tokens(sp, True, 3, 8)
+    assert fitted.max_tokens == 5 and sp.max_tokens is None  # the caller's params are left as they were
+    with pytest.raises(ValueError, match="does not fit"):
+        fit_max_tokens(SamplingParams(max_tokens=6), True, 3, 8)
+    assert fit_max_tokens(SamplingParams(max_tokens=6), False, 3, 8).max_tokens == 5  # the engine's default: cut
