@@ -2,7 +2,7 @@
 
 - each fused op against the PyTorch maths it replaces, at decode and prefill sizes;
 - the kernels' own exp against float64;
-- the executor's layer walk with every fast path off is the model's forward, bit for bit;
+- model.forward on the plan's table with every fast path off is the plain table's forward, bit for bit;
 - an engine with every fast path its plan allows against the plain route (``fast_paths=False``);
 - packed weights equal F.linear, serve only the batch they were made for, and are remade by
   ``rebuild_executor``; ``packed_gemm`` is validated, refused with its reason, and engines do not

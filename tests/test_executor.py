@@ -4,7 +4,7 @@
   immutable, printed as a table, in ``stats()``, and each trace step records its route;
 - ``fast_paths=False`` is the plain route: the Python model and the chosen attention only;
 - every route gives the plain route's greedy tokens (the C routes to fp32 rounding, the GGUF
-  routes bit for bit against the layer walk on the same blocks);
+  routes bit for bit against model.forward on the same table);
 - two engines on one model hold different settings at once, interleaved, and neither changes
   the model; a learner's attention is called in every layer of every step;
 - a fast path asked for with True where it cannot be is refused when the engine is built, with
@@ -118,7 +118,7 @@ def test_the_default_plan_on_a_cpu_takes_the_c_kernels_and_says_why_not_the_rest
     dict(),  # C attention, C element-wise ops
     dict(attention="torch"),  # C element-wise ops, PyTorch's SDPA
     dict(prefill_as_decodes=False),
-    dict(c_kernels=False),  # the layer walk on PyTorch ops
+    dict(c_kernels=False),  # model.forward on a table of PyTorch ops
     dict(packed_gemm=True, max_num_seqs=4),
 ], ids=["c", "c-ops+sdpa", "no-prefill-as-decodes", "walk-torch", "packed"])
 def test_every_route_gives_the_plain_routes_greedy_tokens(tiny_model, settings):
@@ -151,7 +151,7 @@ def test_the_gguf_routes_whole_step_and_head_argmax(gguf_tiny):
     assert any(k.endswith("+head_argmax") for k in eng.route_counts) == avx512
     # short prompts' tokens attend as decode rows (cpu.attention.tokens_as_decodes): the one call serves them too
     assert not any(k.startswith("layers+") for k in eng.route_counts)
-    # with prefill_as_decodes off, prefill chunks attend through SDPA, so they walk the layers
+    # with prefill_as_decodes off, prefill chunks attend through SDPA, so they take model.forward on the table
     nopad = LLMEngine(model, tok, **on, **{**wide, "prefill_as_decodes": False})
     assert run(nopad, prompts) == got
     assert any(k.startswith("layers+") for k in nopad.route_counts)

@@ -104,7 +104,7 @@ def test_the_one_call_gives_the_layer_by_layer_bits(head_dim, bias, n):
 def test_the_engine_decodes_the_same_tokens_every_way():
     """Through the engine (prefills, chunked prefills, then decode steps): the whole-step decode on
     every step whose tokens may all attend as decode rows (cpu.attention.tokens_as_decodes: here
-    every step, the contexts being short), the layer walk where prefill_as_decodes is off, and
+    every step, the contexts being short), model.forward on the table where prefill_as_decodes is off, and
     the same greedy tokens as layer by layer and as the plain route."""
     from minipaged.sampling import SamplingParams
 
@@ -144,7 +144,7 @@ def test_it_stands_in_only_where_it_is_exact():
     layers = engine(model, **LAYERS)
     ids2, pos2, meta2 = decode_step(layers, 5)
     assert torch.equal(h, layers.executor.forward(ids2, pos2, meta2))
-    # where prefill tokens attend through SDPA (prefill_as_decodes off), such a step walks the layers
+    # where prefill tokens attend through SDPA (prefill_as_decodes off), such a step takes model.forward on the table
     nopad = engine(model, **ALL_ON, prefill_as_decodes=False)
     ids3, pos3, meta3 = decode_step(nopad, 5)
     mixed3 = AttentionMetadata(meta3.slot_mapping, meta3.block_tables, meta3.context_lens, meta3.query_start_loc, 4)
