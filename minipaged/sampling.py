@@ -157,6 +157,12 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError (TypeError for a wrong type) naming the bad field and what it takes."""
         self._refuse_unsupported()
+        self._check_choice()
+        self._check_counts_and_logits()
+
+    def _check_choice(self) -> None:
+        """How a token is chosen and when the text stops: max_tokens, temperature, the filters,
+        the seed, the stop rules and the flags."""
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None (to the end of the context), got {self.max_tokens!r}")
         t = self.temperature
@@ -186,6 +192,10 @@ class SamplingParams:
         if not self.detokenize:
             raise UnsupportedSamplingParam("SamplingParams(detokenize=False) is unsupported by minipaged: the text is always "
                                            "made (read token_ids if you only need ids); leave it True")
+
+    def _check_counts_and_logits(self) -> None:
+        """The samples (n, min_tokens) and what changes or reports the logits: penalties,
+        logprobs, logit_bias, allowed_token_ids."""
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n (samples of the prompt) must be an int >= 1, got {self.n!r}")
         if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:

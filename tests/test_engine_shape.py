@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "minipaged"
-MODULES = ("engine.py", "inputs.py", "output_processor.py", "llm.py")
+MODULES = ("engine.py", "inputs.py", "output_processor.py", "llm.py", "engine_stats.py", "sampling.py")
 MAX_CLASS_LINES = 450
 MAX_FUNCTION_LINES = 60
 
