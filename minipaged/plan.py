@@ -128,6 +128,9 @@ def c_kernels_stage(config: Any, device: torch.device, dtype: torch.dtype) -> tu
 
 @dataclass(frozen=True)
 class AttentionChoice:
+    """What ``attention_stage`` chose: the backend, the table's two attention ops (named as the
+    plan prints them), and its refusals."""
+
     backend: AttentionBackend
     write_kv: Op
     attention: Op
