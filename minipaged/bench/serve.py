@@ -535,7 +535,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
-def main_from_args(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     for name in ("num_requests", "burst_size", "max_prompt", "max_output", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -549,7 +549,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         with srv:
             args.url, args.launch = srv.url, False
             print(f"launched: {' '.join(srv.cmd[1:])}", flush=True)
-            return main_from_args(args)
+            return run(args)
     report = run_load(
         args.url, rate=args.rate, num_requests=args.num_requests, dataset=args.dataset, arrival=args.arrival,
         burst_size=args.burst_size, seed=args.seed, endpoint=args.endpoint, model=args.model, scale=args.scale,
@@ -575,7 +575,7 @@ def main_from_args(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="minipaged bench serve", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    return main_from_args(p.parse_args(argv))
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":
