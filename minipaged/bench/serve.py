@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from .clock import poisson_arrivals
 from .workloads import synthetic
 
 DATASETS = {"sharegpt-like": "sharegpt", "alpaca-like": "alpaca", "fixed": "fixed"}
@@ -91,9 +92,7 @@ def arrival_times(n: int, rate: float, arrival: str = "poisson", burst_size: int
         if burst_size < 1:
             raise ValueError(f"burst_size must be >= 1, got {burst_size}")
         return [(i // burst_size) * burst_size / rate for i in range(n)]
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
-    gaps[0] = 0.0
-    return np.cumsum(gaps).tolist()
+    return poisson_arrivals(n, rate, seed)
 
 
 # -- one request -----------------------------------------------------------------------------
