@@ -25,7 +25,6 @@ import asyncio
 import json
 import math
 import platform
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -569,13 +568,3 @@ def run(args: argparse.Namespace) -> int:
         plot_run(report, args.plot)
         print(f"wrote {args.plot}")
     return 0 if report["completed"] else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="minipaged bench serve", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

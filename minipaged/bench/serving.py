@@ -684,9 +684,3 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
         for p in save_plots(res, a.plots):
             print(f"wrote {p}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minipaged bench", description=__doc__)
-    add_arguments(ap)
-    return run(ap.parse_args(argv), ap)
