@@ -43,6 +43,23 @@ def add_module_command(sub: Any, name: str, module: str, help: str) -> argparse.
     return p
 
 
+def add_threads_argument(ap: argparse.ArgumentParser) -> None:
+    """``--threads N``: the torch threads a timing command runs with (see :func:`apply_threads`)."""
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 gives steadier shares "
+                                                 "on a busy machine")
+
+
+def apply_threads(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """Set torch's threads from ``--threads`` when given (an error through ``ap`` below 1)."""
+    if a.threads is None:
+        return
+    if a.threads < 1:
+        ap.error(f"--threads must be >= 1, got {a.threads}")
+    import torch
+
+    torch.set_num_threads(a.threads)
+
+
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     """``bench`` and its sub-commands, added to ``sub`` (the top-level sub-parsers action)."""
     from . import serving
