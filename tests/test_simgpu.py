@@ -537,16 +537,16 @@ def test_the_validation_measures_the_engine_and_the_simulated_scheduler_takes_th
     """The measuring half on the tiny model (its times are not asserted): the steps recorded are
     the scheduler's, and minipaged's scheduler on the simulated clock schedules the same workload
     in the same number of steps as the engine did."""
-    from minipaged.bench.gpu.validate import (EngineShape, compare, cost_model, machine_spec, measure_decode,
+    from minipaged.bench.gpu.validate import (compare, cost_model, machine_spec, measure_decode,
                                               measure_prefill, measure_workload, model_spec_of, simulate_workload,
-                                              workload)
+                                              workload, engine_shape)
     from minipaged.engine import LLMEngine
 
     model, tok = tiny_model
     spec = model_spec_of(model)
     assert spec.shape_params() == sum(p.numel() for p in model.parameters() if p.dim() == 2)
-    shape = EngineShape(block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
-    eng = LLMEngine(model, tok, fast_paths=False, record_trace=False, **shape.engine_kwargs())
+    shape = engine_shape(block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
+    eng = LLMEngine(model, tok, fast_paths=False, record_trace=False, **shape)
     d1, d4 = measure_decode(eng, 1, 6, 2), measure_decode(eng, 4, 6, 2)
     assert len(d4.step) == 4 and all(n == 1 for _, n in d4.step) and d4.seconds > 0
     pre = measure_prefill(eng, 24, repeats=1)
