@@ -31,11 +31,10 @@ from ._core import (
     not_implemented,
     passed,
     plural,
-    run_with_time_limit,
     table,
     watching,
 )
-from ._delegation import guarded, refuse_package_class
+from ._delegation import refuse_package_class, run_guarded
 
 NAME = "03 block table"
 MUST_WRITE = ("blocks_needed", "append_tokens", "slot_mapping", "free")
@@ -317,10 +316,6 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
         raise CheckFailed(f"{NAME}: {e}. Keep the members the workbook's skeleton gives.") from None
     stats = {"ops": 0, "runs": 0, "current": f"creating a {cls.__name__}"}
 
-    def body():
-        with guarded("03", NAME):
-            _body()
-
     def _body():
         # Fixed stories first: they are short, so their failure messages are easy to read.
         r = _Run(cls, 6, 4, 1, "block size 4: 4 tokens fill one block exactly, the 5th opens a second", stats)
@@ -384,7 +379,7 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
                     run.append(i, n)
             stats["runs"] += 1
 
-    run_with_time_limit(body, timeout, NAME, lambda: stats["current"])
+    run_guarded("03", NAME, _body, timeout, stats)
     passed(f"{title}: {stats['runs']} random runs, {stats['ops']} operations; after every one your tables' blocks, "
            "token counts and the pool matched the reference.")
 
