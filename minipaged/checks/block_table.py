@@ -13,6 +13,7 @@ own BlockTable in the learner's place (an alias, a subclass, a wrapper) is refus
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 
@@ -300,12 +301,19 @@ class _Run:
 
     def fork(self, i: int) -> None:
         """t_new = parts.fork_table(t_i) on both sides: a second table sharing every block of t_i."""
-        j = len(self.ref)
-        self.ref.append(parts.fork_table(self.ref[i]))
-        self.mine.append(self.call(parts.fork_table, self.mine[i], what=f"t{j} = parts.fork_table(t{i})"))
-        self.log.add(f"t{j} = parts.fork_table(t{i})  # shares blocks {self.ref[i].blocks}: each ref count is now 2")
-        self.stats["ops"] += 1
+        j = fork_both(self, i, "parts.fork_table", ": each ref count is now 2")
         self.compare(f"t{j} = parts.fork_table(t{i})", i_focus=j)
+
+
+def fork_both(run: Any, i: int, spelled: str, note: str = "") -> int:
+    """``t_j = fork_table(t_i)`` on the reference's tables (``run.ref``) and the learner's
+    (``run.mine``, through ``run.call``), logged as ``spelled``; returns ``j``."""
+    j = len(run.ref)
+    run.ref.append(parts.fork_table(run.ref[i]))
+    run.mine.append(run.call(parts.fork_table, run.mine[i], what=f"t{j} = {spelled}(t{i})"))
+    run.log.add(f"t{j} = {spelled}(t{i})  # shares blocks {run.ref[i].blocks}{note}")
+    run.stats["ops"] += 1
+    return j
 
 
 def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: str) -> None:
