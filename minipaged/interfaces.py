@@ -117,8 +117,9 @@ class SchedulerProtocol(Protocol):
 
 
 @runtime_checkable
-class PrefixCacheProtocol(Protocol):
-    """A block pool in front of a block pool, that remembers full blocks by content.
+class PrefixCacheProtocol(BlockPool, Protocol):
+    """A block pool in front of a block pool, that remembers full blocks by content: every
+    :class:`BlockPool` member, with the meanings below, and the caching members.
 
     Constructor: ``prefix_cache_cls(pool)`` with any :class:`BlockPool`; the reference is
     :class:`minipaged.prefix_cache.PrefixCache`.
@@ -149,23 +150,10 @@ class PrefixCacheProtocol(Protocol):
     - ``num_cached_blocks``: blocks findable by hash now; ``num_evictions``: hashes dropped so far.
     """
 
-    num_blocks: int
-    block_size: int
     num_evictions: int
 
     @property
-    def num_free_blocks(self) -> int: ...
-
-    @property
     def num_cached_blocks(self) -> int: ...
-
-    def allocate(self) -> int: ...
-
-    def free(self, block_id: int) -> None: ...
-
-    def incref(self, block_id: int) -> None: ...
-
-    def ref_count(self, block_id: int) -> int: ...
 
     def hash_block(self, parent: bytes, token_ids: Seq[int]) -> bytes: ...
 
@@ -209,12 +197,13 @@ class ProposerFn(Protocol):
     def __call__(self, token_ids: "Seq[int]", num_tokens: int, min_n: int, max_n: int) -> "list[int]": ...
 
 
+_POOL_MEMBERS = ("num_blocks", "block_size", "num_free_blocks", "allocate", "free", "incref", "ref_count")
 PROTOCOL_MEMBERS: dict[type, tuple[str, ...]] = {
-    BlockPool: ("num_blocks", "block_size", "num_free_blocks", "allocate", "free", "incref", "ref_count"),
+    BlockPool: _POOL_MEMBERS,
     BlockTableProtocol: ("allocator", "block_size", "blocks", "num_tokens", "blocks_needed", "append_tokens", "slot_mapping", "free"),
     SchedulerProtocol: ("waiting", "running", "add_request", "schedule", "update", "finish", "abort", "has_unfinished"),
-    PrefixCacheProtocol: ("num_blocks", "block_size", "num_free_blocks", "allocate", "free", "incref", "ref_count",
-                          "hash_block", "match_prefix", "cache_blocks", "num_cached_blocks", "num_evictions"),
+    PrefixCacheProtocol: _POOL_MEMBERS + ("hash_block", "match_prefix", "cache_blocks", "num_cached_blocks",
+                                          "num_evictions"),
 }
 
 # Members a part may define, and the setting that uses them when it does: the engine asks the part

@@ -57,6 +57,11 @@ class Scheduler:
         self.allocator = allocator
         self.block_table_cls = block_table_cls
         self.config = (config or EngineConfig()).replace(**settings) if settings else (config or EngineConfig())
+        # the settings, by the names the policy uses (the config is frozen: read once)
+        self.max_num_seqs: int = self.config.max_num_seqs
+        self.max_num_batched_tokens: int = self.config.max_num_batched_tokens
+        self.max_model_len: int | None = self.config.max_model_len
+        self.enable_chunked_prefill: bool = self.config.enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
@@ -69,23 +74,6 @@ class Scheduler:
             )
         self.prefix_caching = has_cache if pc is None else pc
         self.prefix_stats = PrefixStats()
-
-    # the settings, by the names the policy uses
-    @property
-    def max_num_seqs(self) -> int:
-        return self.config.max_num_seqs
-
-    @property
-    def max_num_batched_tokens(self) -> int:
-        return self.config.max_num_batched_tokens
-
-    @property
-    def max_model_len(self) -> int | None:
-        return self.config.max_model_len
-
-    @property
-    def enable_chunked_prefill(self) -> bool:
-        return self.config.enable_chunked_prefill
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, seq: Sequence) -> bool:

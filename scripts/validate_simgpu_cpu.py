@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measured: read {bw / 1e9:.1f} GB/s, fp32 GEMM {fl / 1e9:.0f} GFLOP/s "
           f"({torch.get_num_threads()} threads, {os.cpu_count()} CPUs)", flush=True)
 
-    shape = v.EngineShape()
-    llm = LLM(a.model, fast_paths=False, record_trace=False, **shape.engine_kwargs())  # the plain route
+    shape = v.engine_shape()
+    llm = LLM(a.model, fast_paths=False, record_trace=False, **shape)  # the plain route
     eng = llm.engine
     model = v.model_spec_of(eng.model, name="smollm2-135m (fp32)" if a.model is None else None)
     print(f"engine: {model.name}, {model.num_params / 1e6:.1f}M matrix parameters, plain route; ready after "
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     def profiles() -> tuple[dict, dict]:
         t1 = time.perf_counter()
         lp = linear_profile(eng.model, rows=s["profile_rows"], repeats=s["profile_repeats"])
-        ap = attention_profile(eng.backend, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, shape.block_size,
+        ap = attention_profile(eng.backend, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, shape["block_size"],
                                batches=s["attention_batches"], contexts=s["attention_contexts"],
                                repeats=s["profile_repeats"])
         print(f"profiles in {time.perf_counter() - t1:.0f} s: linear body at "
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = v.LinearProfile(lp["rows"], lp["body_s"], lp["head_s"],
                               source=f"hardware.linear_profile on the served model's weights, median of "
                                      f"{lp['repeats']}, the mean of two passes, {lp['threads']} threads")
-    timer = attention_timer(eng.backend, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, shape.block_size)
+    timer = attention_timer(eng.backend, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, shape["block_size"])
     attention = v.AttentionProfile(ap["batches"], ap["contexts"], ap["seconds"], groups=v.route_decode_groups(eng.backend),
                                    source=f"decodes: hardware.attention_profile of the {ap['backend']} backend, "
                                           f"{ap['layers']} layers a step, median of {ap['repeats']}, the mean of two "
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     profile=None if a.no_profile else profile, attention=None if a.no_profile else attention)
     cmd = " ".join(["python scripts/validate_simgpu_cpu.py"] + (["--quick"] if a.quick else [])
                    + (["--skip-factorial"] if a.skip_factorial else []) + (["--no-profile"] if a.no_profile else []))
-    res["settings"] = {**s, "quick": a.quick, "seed": a.seed, "engine": shape.engine_kwargs(), "fast_paths": False,
+    res["settings"] = {**s, "quick": a.quick, "seed": a.seed, "engine": shape, "fast_paths": False,
                        "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "machine": platform.machine(),
                        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
                        "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 1),

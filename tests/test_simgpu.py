@@ -7,7 +7,8 @@ import math
 import pytest
 
 from minipaged.bench.gpu.cost import Calibration, StepCostModel, activation_reserve_bytes, memory_plan
-from minipaged.bench.gpu.datasets import poisson_arrivals, sample_lengths
+from minipaged.bench.clock import poisson_arrivals
+from minipaged.bench.gpu.datasets import sample_lengths
 from minipaged.bench.gpu.paper import format_table, max_rate_from_curve, paper_checks, readme_block
 from minipaged.bench.gpu.policies import BuddySpans, ContiguousSpans, Reservation, ReservingScheduler, next_pow2
 from minipaged.bench.gpu.simulator import LengthStop, build_scheduler, run
@@ -100,14 +101,6 @@ def test_synthesized_lengths_have_the_papers_means_and_fit_the_context(name, inp
     o = sum(b for _, b in r) / len(r)
     assert abs(p - inp) / inp < 0.03 and abs(o - out) / out < 0.03
     assert all(a >= 1 and b >= 1 and a + b <= 2048 for a, b in r)
-
-
-def test_poisson_arrivals_have_the_asked_rate():
-    a = poisson_arrivals(20_000, 4.0, seed=1)
-    assert a == sorted(a)
-    assert abs(len(a) / a[-1] - 4.0) < 0.1
-    with pytest.raises(ValueError):
-        poisson_arrivals(3, 0)
 
 
 # -- reservation policies ----------------------------------------------------------------------
@@ -544,16 +537,16 @@ def test_the_validation_measures_the_engine_and_the_simulated_scheduler_takes_th
     """The measuring half on the tiny model (its times are not asserted): the steps recorded are
     the scheduler's, and minipaged's scheduler on the simulated clock schedules the same workload
     in the same number of steps as the engine did."""
-    from minipaged.bench.gpu.validate import (EngineShape, compare, cost_model, machine_spec, measure_decode,
+    from minipaged.bench.gpu.validate import (compare, cost_model, machine_spec, measure_decode,
                                               measure_prefill, measure_workload, model_spec_of, simulate_workload,
-                                              workload)
+                                              workload, engine_shape)
     from minipaged.engine import LLMEngine
 
     model, tok = tiny_model
     spec = model_spec_of(model)
     assert spec.shape_params() == sum(p.numel() for p in model.parameters() if p.dim() == 2)
-    shape = EngineShape(block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
-    eng = LLMEngine(model, tok, fast_paths=False, record_trace=False, **shape.engine_kwargs())
+    shape = engine_shape(block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
+    eng = LLMEngine(model, tok, fast_paths=False, record_trace=False, **shape)
     d1, d4 = measure_decode(eng, 1, 6, 2), measure_decode(eng, 4, 6, 2)
     assert len(d4.step) == 4 and all(n == 1 for _, n in d4.step) and d4.seconds > 0
     pre = measure_prefill(eng, 24, repeats=1)

@@ -370,14 +370,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 only affects fp32 inputs
 
 
-def write_kv(
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,
-    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
-    v: torch.Tensor,
-    slot_mapping: torch.Tensor,  # (num_tokens,) int: block_id * block_size + offset
-) -> None:
-    """Store each new token's K and V at its slot (kv_cache.write_kv, as a kernel).
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store each new token's K and V at its slot: :func:`minipaged.kv_cache.write_kv` (its
+    arguments and shapes), as a kernel.
 
     A negative slot means "no slot" (a padding token) and is skipped, as in vLLM.
     """
@@ -552,18 +548,11 @@ def paged_prefill(
     return out
 
 
-def paged_attention(
-    q: torch.Tensor,  # (num_tokens, num_heads, head_dim): new tokens of all sequences, packed
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), new K already written
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # (num_seqs, max_blocks_per_seq) int32
-    context_lens: torch.Tensor,  # (num_seqs,) int32: cached prefix + new tokens, per sequence
-    query_start_loc: torch.Tensor,  # (num_seqs + 1,) int32: cumulative query lengths, starts at 0
-    scale: float,
-    out: torch.Tensor | None = None,  # (num_tokens, num_heads, head_dim), written in place if given
-) -> torch.Tensor:
-    """reference.paged_attention on the GPU: the decode kernel when every sequence has exactly
-    one new token, else the prefill kernel.
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`minipaged.attention.reference.paged_attention` (its arguments and shapes) on the
+    GPU: the decode kernel when every sequence has exactly one new token, else the prefill kernel.
 
     Every scheduled sequence has at least one new token, so ``num_tokens == num_seqs`` means all
     of them have exactly one: a test on shapes, with no device-to-host copy.

@@ -24,7 +24,6 @@ Prints a markdown table (the README's) and can write JSON.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from . import save_run
+from .commands import add_threads_argument, apply_threads
 
 CATEGORIES = ("linear layers", "attention", "LM head", "other model ops", "sampling", "scheduler", "runner",
               "detokenizing", "engine glue")
@@ -277,15 +277,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--attention", default="torch", choices=["torch", "reference", "auto"])
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 gives steadier shares on a busy machine")
+    add_threads_argument(ap)
 
 
 def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int:
     ap = ap or getattr(a, "_parser", None) or argparse.ArgumentParser(prog="minipaged bench profile")
-    if a.threads is not None:
-        if a.threads < 1:
-            ap.error(f"--threads must be >= 1, got {a.threads}")
-        torch.set_num_threads(a.threads)
+    apply_threads(a, ap)
     try:
         batches = tuple(int(x) for x in a.batches.split(",") if x.strip())
     except ValueError:
@@ -297,13 +294,3 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
     print(format_markdown(res))
     save_run(res, a)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minipaged bench profile", description=__doc__.split("\n")[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv), ap)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,6 +30,7 @@ import torch
 
 from ..sampling import SamplingParams
 from . import save_run
+from .commands import add_threads_argument, apply_threads
 from .workloads import Request, Workload, chat_prompt_ids
 
 GOALS = {"x_transformers": 2.0, "fraction_of_ceiling": 0.60, "llama_cpp_batch1_slowdown_max": 1.5}
@@ -391,15 +392,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of minipaged and transformers, taking turns; each reports its median run (default 3)")
     ap.add_argument("--json", type=Path, help="write the figures here")
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 gives steadier shares on a busy machine")
+    add_threads_argument(ap)
 
 
 def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int:
     ap = ap or getattr(a, "_parser", None) or argparse.ArgumentParser(prog="minipaged bench speed")
-    if a.threads is not None:
-        if a.threads < 1:
-            ap.error(f"--threads must be >= 1, got {a.threads}")
-        torch.set_num_threads(a.threads)
+    apply_threads(a, ap)
     for name, v in (("--num-requests", a.num_requests), ("--max-tokens", a.max_tokens), ("--batch-size", a.batch_size),
                     ("--max-num-batched-tokens", a.max_num_batched_tokens), ("--batch1-requests", a.batch1_requests),
                     ("--repeats", a.repeats)):
@@ -414,13 +412,3 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
     print(format_summary(res))
     save_run(res, a)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minipaged bench speed", description=__doc__.split("\n")[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv), ap)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
 
-from ._core import CheckFailed
+from ._core import CheckFailed, run_with_time_limit
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CHECKS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -286,5 +286,16 @@ def guarded(workbook: str, workbook_name: str, max_calls: int | None = None):
     return Guard(workbook, workbook_name, max_calls)
 
 
-__all__ = ["WATCH", "Guard", "guarded", "in_package", "refuse_package_class", "refuse_package_function", "watched",
+def run_guarded(workbook: str, workbook_name: str, body: Any, timeout: float, state: dict,
+                max_calls: int | None = None) -> Any:
+    """Run a check's ``body()`` with every learner call inside watched (:func:`guarded`), within
+    ``timeout`` seconds; stopped, it names ``state["current"]``, what the check was doing."""
+    def watched_body() -> Any:
+        with guarded(workbook, workbook_name, max_calls):
+            return body()
+
+    return run_with_time_limit(watched_body, timeout, workbook_name, lambda: state["current"])
+
+
+__all__ = ["WATCH", "Guard", "guarded", "run_guarded", "in_package", "refuse_package_class", "refuse_package_function", "watched",
            "watched_codes"]

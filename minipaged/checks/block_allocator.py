@@ -25,12 +25,11 @@ from ._core import (
     learner_call,
     not_implemented,
     passed,
-    run_with_time_limit,
     table,
     watching,
     _qualname,
 )
-from ._delegation import guarded, refuse_package_class
+from ._delegation import refuse_package_class, run_guarded
 
 NAME = "02 block allocator"
 
@@ -355,10 +354,6 @@ def _check(cls: type, sharing: bool, seed: int, runs: int, timeout: float, title
     _check_members(cls)
     stats = {"ops": 0, "runs": 0, "current": "creating the allocator"}
 
-    def body():
-        with guarded("02", NAME):
-            _body()
-
     def _body():
         _scenarios(cls, stats, sharing)
         rng = random.Random(seed)
@@ -369,7 +364,7 @@ def _check(cls: type, sharing: bool, seed: int, runs: int, timeout: float, title
             _drive(cls, rng, run, 6 + 4 * i, sharing)
             stats["runs"] += 1
 
-    run_with_time_limit(body, timeout, NAME, lambda: stats["current"])
+    run_guarded("02", NAME, _body, timeout, stats)
     passed(f"{title}: {stats['runs']} random runs, {stats['ops']} operations; after every one your allocator's "
            "block ids, free count and ref counts matched the reference.")
 

@@ -13,6 +13,7 @@ own BlockTable in the learner's place (an alias, a subclass, a wrapper) is refus
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 
@@ -31,11 +32,10 @@ from ._core import (
     not_implemented,
     passed,
     plural,
-    run_with_time_limit,
     table,
     watching,
 )
-from ._delegation import guarded, refuse_package_class
+from ._delegation import refuse_package_class, run_guarded
 
 NAME = "03 block table"
 MUST_WRITE = ("blocks_needed", "append_tokens", "slot_mapping", "free")
@@ -301,12 +301,19 @@ class _Run:
 
     def fork(self, i: int) -> None:
         """t_new = parts.fork_table(t_i) on both sides: a second table sharing every block of t_i."""
-        j = len(self.ref)
-        self.ref.append(parts.fork_table(self.ref[i]))
-        self.mine.append(self.call(parts.fork_table, self.mine[i], what=f"t{j} = parts.fork_table(t{i})"))
-        self.log.add(f"t{j} = parts.fork_table(t{i})  # shares blocks {self.ref[i].blocks}: each ref count is now 2")
-        self.stats["ops"] += 1
+        j = fork_both(self, i, "parts.fork_table", ": each ref count is now 2")
         self.compare(f"t{j} = parts.fork_table(t{i})", i_focus=j)
+
+
+def fork_both(run: Any, i: int, spelled: str, note: str = "") -> int:
+    """``t_j = fork_table(t_i)`` on the reference's tables (``run.ref``) and the learner's
+    (``run.mine``, through ``run.call``), logged as ``spelled``; returns ``j``."""
+    j = len(run.ref)
+    run.ref.append(parts.fork_table(run.ref[i]))
+    run.mine.append(run.call(parts.fork_table, run.mine[i], what=f"t{j} = {spelled}(t{i})"))
+    run.log.add(f"t{j} = {spelled}(t{i})  # shares blocks {run.ref[i].blocks}{note}")
+    run.stats["ops"] += 1
+    return j
 
 
 def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: str) -> None:
@@ -316,10 +323,6 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
     except TypeError as e:
         raise CheckFailed(f"{NAME}: {e}. Keep the members the workbook's skeleton gives.") from None
     stats = {"ops": 0, "runs": 0, "current": f"creating a {cls.__name__}"}
-
-    def body():
-        with guarded("03", NAME):
-            _body()
 
     def _body():
         # Fixed stories first: they are short, so their failure messages are easy to read.
@@ -384,7 +387,7 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
                     run.append(i, n)
             stats["runs"] += 1
 
-    run_with_time_limit(body, timeout, NAME, lambda: stats["current"])
+    run_guarded("03", NAME, _body, timeout, stats)
     passed(f"{title}: {stats['runs']} random runs, {stats['ops']} operations; after every one your tables' blocks, "
            "token counts and the pool matched the reference.")
 

@@ -23,9 +23,8 @@ from ._core import (
     fmt_list,
     learner_call,
     passed,
-    run_with_time_limit,
 )
-from ._delegation import guarded, refuse_package_function
+from ._delegation import refuse_package_function, run_guarded
 
 NAME = "04 paged attention"
 
@@ -395,10 +394,6 @@ def check_gather_kv(gather_kv: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> 
              (7, False, 2, 4)]
     state = {"current": "gather_kv(...)"}
 
-    def body():
-        with guarded("04", NAME):
-            _body()
-
     def _body():
         for i, (ctx, in_order, bs, hkv) in enumerate(cases):
             case = make_case("gather", "", [(ctx, 1)], num_heads=hkv, num_kv_heads=hkv, head_dim=4, block_size=bs,
@@ -435,7 +430,7 @@ def check_gather_kv(gather_kv: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> 
                               expected=f"cache[{int(row[blk])}, {off}] (block_table[{blk}] = {int(row[blk])}, offset {off})",
                               got="other values", hint=h)
 
-    run_with_time_limit(body, timeout, NAME, lambda: state["current"])
+    run_guarded("04", NAME, _body, timeout, state)
     passed(f"gather_kv: {len(cases)} block tables (in order, shuffled, exact block boundary, one token, more KV heads "
            "than slots in a block) matched the reference.")
 
@@ -445,12 +440,6 @@ def check_attention_fn(fn: Callable, name: str, cases: list, timeout: float, ato
                        workbook: str = "04") -> int:
     refuse_package_function(fn, name, fn_name)
     state = {"current": "the first case"}
-
-    def body():
-        # Triton's interpreter runs about 3x slower under the call watch: there the first cases are watched
-        # (one and many blocks, GQA), which is where a wrapper around minipaged's kernels would show.
-        with guarded(workbook, name, max_calls=4 if workbook == "05" else None):
-            _body()
 
     def _body():
         if before is not None:
@@ -466,7 +455,9 @@ def check_attention_fn(fn: Callable, name: str, cases: list, timeout: float, ato
                                    "Work on gathered copies, never assign into the cache.")
             compare_case(case, got, name, fn_name, atol, rtol)
 
-    run_with_time_limit(body, timeout, name, lambda: state["current"])
+    # Triton's interpreter runs about 3x slower under the call watch: there the first cases are watched
+    # (one and many blocks, GQA), which is where a wrapper around minipaged's kernels would show.
+    run_guarded(workbook, name, _body, timeout, state, max_calls=4 if workbook == "05" else None)
     return len(cases)
 
 

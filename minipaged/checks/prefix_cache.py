@@ -18,7 +18,7 @@ from ..block_allocator import BlockAllocator, OutOfBlocksError
 from ..block_table import BlockTable
 from ..parts import fork_table
 from ..prefix_cache import ROOT_HASH, PrefixCache, copy_on_write as ref_copy_on_write
-from ._delegation import guarded
+from ._delegation import guarded, run_guarded
 from ._core import (
     Story,
     DEFAULT_TIMEOUT_S,
@@ -357,10 +357,6 @@ def check_lookup_and_eviction(cache_cls: type, seed: int = 0, runs: int = 25, ti
     _refuse_reference(cache_cls)
     stats = {"ops": 0, "runs": 0, "current": "creating the cache"}
 
-    def body():
-        with guarded("08", NAME):
-            _body()
-
     def _body():
         _scenarios(cache_cls, stats)
         rng = random.Random(seed)
@@ -380,7 +376,7 @@ def check_lookup_and_eviction(cache_cls: type, seed: int = 0, runs: int = 25, ti
                     run.double_free(rng)
             stats["runs"] += 1
 
-    run_with_time_limit(body, timeout, NAME, lambda: stats["current"])
+    run_guarded("08", NAME, _body, timeout, stats)
     passed(f"lookup, caching and eviction: {stats['runs']} random runs and 6 stories, {stats['ops']} requests admitted, "
            "grown or ended; after every call your cache's blocks, ref counts, free, cached and eviction counts matched the reference.")
 
@@ -464,10 +460,6 @@ def check_copy_on_write(cow_fn: Callable, seed: int = 0, runs: int = 40, timeout
                                    "the engine copies their K/V before the step writes.")
             state["n"] += 1
 
-    def body():
-        with guarded("08", NAME):
-            _body()
-
     def _body():
         one("a child writes into the shared partial block", 6, 4, 6, 1, [(1, 5, 5), (1, 6, 7), (0, 6, 7)])
         one("a write into blocks held alone copies nothing", 6, 4, 6, 0, [(0, 6, 8)])
@@ -487,7 +479,7 @@ def check_copy_on_write(cow_fn: Callable, seed: int = 0, runs: int = 40, timeout
             writes = [(t, s, e) for t, s, e in writes if e > s] or [(0, n - 1, n)]
             one(f"random run {i + 1} of {runs} (seed {seed})", num_blocks, bs, n, forks, writes)
 
-    run_with_time_limit(body, timeout, NAME, lambda: state["current"])
+    run_guarded("08", NAME, _body, timeout, state)
     passed(f"copy-on-write: {state['n']} writes into forked tables; after each one your tables, ref counts and "
            "(src, dst) pairs matched the reference.")
 

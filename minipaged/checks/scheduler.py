@@ -25,10 +25,9 @@ from ._core import (
     fmt_list,
     learner_call,
     passed,
-    run_with_time_limit,
     table,
 )
-from ._delegation import guarded, refuse_package_class
+from ._delegation import refuse_package_class, run_guarded
 
 NAME = "06 scheduler"
 MUST_WRITE = ("add_request", "schedule")  # update, finish, abort are inherited: the contract, not the policy
@@ -492,11 +491,6 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
     refuse_package_class(cls, MUST_WRITE, NAME, "scheduler")
     stats = {"ops": 0, "runs": 0, "current": f"creating {cls.__name__}"}
 
-    def body():
-        # Your add_request and schedule may not call minipaged's (super().schedule(), Scheduler._preempt, ...).
-        with guarded("06", NAME):
-            _body()
-
     def _body():
         for label, cfg, reqs in _fixed(part):
             _play(cls, label, cfg, reqs, seed, stats, ignore_eos=True)
@@ -504,7 +498,8 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
             label, cfg, reqs = _random(part, seed, k)
             _play(cls, label, cfg, reqs, seed, stats)
 
-    run_with_time_limit(body, timeout, NAME, lambda: stats["current"])
+    # Your add_request and schedule may not call minipaged's (super().schedule(), Scheduler._preempt, ...).
+    run_guarded("06", NAME, _body, timeout, stats)
     passed(f"{title}: {stats['runs']} runs, {stats['ops']} add_request/schedule calls; after every one your scheduler "
            "matched the reference (scheduled tokens, preemptions, queues, blocks).")
 

@@ -48,7 +48,7 @@ from ._core import (
     watching,
 )
 from ._delegation import guarded, refuse_package_class, refuse_package_function
-from .block_table import _RecordingPool, page_table_picture
+from .block_table import _RecordingPool, fork_both, page_table_picture
 
 NAME = "09 speculative decoding"
 MUST_WRITE = ("truncate",)
@@ -355,11 +355,7 @@ class _Run(Story):
                              "ValueError before changing anything (growing is append_tokens' job).")
 
     def fork(self, i: int) -> None:
-        j = len(self.ref)
-        self.ref.append(parts.fork_table(self.ref[i]))
-        self.mine.append(self.call(parts.fork_table, self.mine[i], what=f"t{j} = fork_table(t{i})"))
-        self.log.add(f"t{j} = fork_table(t{i})  # shares blocks {self.ref[i].blocks}")
-        self.stats["ops"] += 1
+        j = fork_both(self, i, "fork_table")
         self.compare(f"t{j} = fork_table(t{i})", focus=j)
 
     def verify_step(self, i: int, rng: random.Random, k: int) -> None:

@@ -210,27 +210,28 @@ def decode_step(batch: int, context: int) -> Step:
     return tuple([(context - 1, 1)] * batch)
 
 
-@dataclass(frozen=True)
-class EngineShape:
-    """The settings the engine and the simulated scheduler share (so they schedule alike)."""
-
-    block_size: int = 16
-    num_blocks: int = 512
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-
-    def engine_kwargs(self) -> dict:
-        return {"block_size": self.block_size, "num_blocks": self.num_blocks, "max_num_seqs": self.max_num_seqs,
-                "max_num_batched_tokens": self.max_num_batched_tokens, "max_model_len": self.max_model_len,
-                "enable_prefix_caching": False}
+# The settings the engine and the simulated scheduler share (so they schedule alike): EngineConfig keywords.
+ENGINE_SHAPE = {"block_size": 16, "num_blocks": 512, "max_num_seqs": 64, "max_num_batched_tokens": 512,
+                "max_model_len": 2048, "enable_prefix_caching": False}
 
 
-def simulate_workload(cost: StepCostModel, requests: Seq[tuple[int, int]], shape: EngineShape) -> dict:
+def engine_shape(**changes: Any) -> dict:
+    """:data:`ENGINE_SHAPE` with ``changes`` (EngineConfig keywords): give it to the engine
+    (``LLMEngine(model, tok, **shape)``) and to :func:`simulate_workload`."""
+    from ...config import CONFIG_FIELDS
+
+    bad = sorted(set(changes) - set(CONFIG_FIELDS))
+    if bad:
+        raise ValueError(f"not EngineConfig settings: {', '.join(bad)}")
+    return {**ENGINE_SHAPE, **changes}
+
+
+def simulate_workload(cost: StepCostModel, requests: Seq[tuple[int, int]], shape: dict) -> dict:
     """The workload (``(prompt_len, output_len)`` pairs, all arriving at once) through minipaged's
     scheduler and block pool on the simulated clock: seconds, steps, output tokens per second."""
-    sched = build_scheduler("vllm", shape.num_blocks * shape.block_size, shape.block_size, shape.max_model_len,
-                            shape.max_num_seqs, shape.max_num_batched_tokens)
+    bs = shape["block_size"]
+    sched = build_scheduler("vllm", shape["num_blocks"] * bs, bs, shape["max_model_len"], shape["max_num_seqs"],
+                            shape["max_num_batched_tokens"])
     res = run(sched, list(requests), [0.0] * len(requests), cost, system="vllm", skip_ahead=False)
     tokens = sum(o for _, o in requests)
     return {"seconds": res.duration, "steps": res.num_steps, "output_tokens": tokens,
@@ -500,7 +501,7 @@ def measure_factorial(model: Any, setup_kwargs: dict, seed: int = 0, roofline_ba
 def compare(machine: GPUSpec, model: ModelSpec, calibration_decode: Seq[Sample], calibration_prefill: Seq[Sample],
             validation_decode: Seq[Sample], workload_requests: Seq[tuple[int, int]] = (),
             workload_measured: dict | None = None, workload_samples: Seq[Sample] = (),
-            shape: EngineShape = EngineShape(), factorial: tuple[FactorialSetup, dict] | None = None,
+            shape: dict | None = None, factorial: tuple[FactorialSetup, dict] | None = None,
             profile: LinearProfile | None = None, attention: AttentionProfile | None = None) -> dict:
     """Calibrate on the calibration samples, predict the rest, and report every error (no
     timing happens here: the measurements are arguments). ``factorial``: the bench's setup and
@@ -539,7 +540,7 @@ def compare(machine: GPUSpec, model: ModelSpec, calibration_decode: Seq[Sample],
                  "steps": rows, "target_error": TARGET_ERROR}
     errors = [abs(r["error"]) for r in rows if r["role"] == "validation"]
     if workload_measured is not None:
-        sim = simulate_workload(cost, workload_requests, shape)
+        sim = simulate_workload(cost, workload_requests, engine_shape() if shape is None else shape)
         replay = sum(predict_steps(cost, [s.step for s in workload_samples]))
         tokens = workload_measured["output_tokens"]
         w = {"requests": len(workload_requests), "output_tokens": tokens, "measured": workload_measured,
@@ -611,7 +612,7 @@ def format_report(res: dict) -> str:
 
 
 __all__ = ["TARGET_ERROR", "FACTORIAL_CELLS", "Sample", "LinearProfile", "AttentionProfile", "route_decode_groups", "mean_sample",
-           "mean_profile", "mean_cells", "EngineShape", "FactorialSetup", "machine_spec",
+           "mean_profile", "mean_cells", "ENGINE_SHAPE", "engine_shape", "FactorialSetup", "machine_spec",
            "model_spec_of", "cost_model", "fit_calibration", "predict_steps", "error", "decode_step",
            "simulate_workload", "workload",
            "factorial_setup", "check_setup", "factorial_scheduler", "simulate_cell", "measured_cells",
