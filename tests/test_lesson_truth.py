@@ -237,3 +237,69 @@ def test_lesson_09_replay_climbs_for_any_step_cost():
         p50 = [d["ttft_p50_s"] for d in rows]
         assert all(x <= y * 1.02 for x, y in zip(p50, p50[1:])) and p50[-1] > 3 * p50[0], ((a, b, c), p50)
         assert all(0 <= d["goodput_req_per_s"] <= d["rate_per_s"] for d in rows)
+
+
+# -- nothing outside the package (issue 35): a lesson runs wherever minipaged is installed --------------
+NOTEBOOKS = sorted([*(ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"), *(ROOT / "exercises").glob("[0-9][0-9]_*.ipynb"),
+                    *(ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")])
+# The one repository path a notebook may name: the folder of the learner's OWN workbooks (their files, not the
+# course's), with "." (where Colab's Files panel puts an upload) whenever it is not there.
+LEARNER_WORKBOOKS = 'WORKBOOKS = "../exercises" if Path("../exercises").is_dir() else "."'
+REPO_READ = re.compile(r"""(['"])(\.\./|\.\.\\\\|(?:\./)?(?:docs|notebooks|exercises|solutions|scripts|tests)/)""")
+
+
+def repository_reads(source: str) -> list[str]:
+    """The lines of a code cell that name a path of the repository (outside the installed package)."""
+    return [ln.strip() for ln in source.splitlines()
+            if ln.strip() != LEARNER_WORKBOOKS and not ln.lstrip().startswith("#") and REPO_READ.search(ln)]
+
+
+def test_the_repository_read_finder_can_fail():
+    assert repository_reads('fig = pathlib.Path("../docs/figures/paper_sharegpt.png")')
+    assert repository_reads("json.load(open('docs/figures/bench.json'))")
+    assert repository_reads('Image(filename="../README_assets/x.png")')
+    assert not repository_reads(LEARNER_WORKBOOKS)
+    assert not repository_reads("full = paper.stored_result('sharegpt')  # package data")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_no_notebook_reads_a_repository_file(path):
+    """What a lesson or workbook shows beside its own run ships as package data (importlib.resources) or is
+    recomputed: a path of the repository (../docs, docs/figures, ...) is not there on Colab."""
+    bad = {i: repository_reads(src(c)) for i, c in enumerate(cells(path)) if c["cell_type"] == "code"}
+    bad = {i: b for i, b in bad.items() if b}
+    assert not bad, f"{path.name} reads files of the repository, which a learner's install does not have: {bad}"
+
+
+def test_the_stored_paper_result_ships_with_the_package_and_equals_the_repositorys():
+    """Lesson 10's paper comparison reads the package's copy; `minipaged bench paper --json
+    docs/figures/paper_sharegpt.json` writes the repository's: a new run must update both."""
+    import importlib.resources
+
+    from minipaged.bench.gpu import paper
+
+    assert importlib.resources.files("minipaged.bench.gpu").joinpath("paper_sharegpt.json").is_file()
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert '"minipaged.bench.gpu" = ["*.json"]' in pyproject, "the stored result must be package data"
+    stored = paper.stored_result("sharegpt")
+    assert stored == json.loads((ROOT / "docs" / "figures" / "paper_sharegpt.json").read_text(encoding="utf-8")), (
+        "copy docs/figures/paper_sharegpt.json to minipaged/bench/gpu/paper_sharegpt.json")
+    assert stored["checks"] and all(c.get("within_25pct", c.get("holds")) for c in stored["checks"].values())
+    with pytest.raises(ValueError, match="minipaged bench paper"):
+        paper.stored_result("alpaca")
+
+
+def test_lesson_10_runs_the_learners_parts_where_they_pass():
+    """With solved workbooks the simulated GPU serves with the learner's classes; with stubs, the reference,
+    and each case is said."""
+    from minipaged import BlockAllocator, BlockTable, Scheduler
+    from minipaged.checks.assemble import simulator_parts
+
+    mine, which = simulator_parts(ROOT / "solutions", verbose=False)
+    assert [c.__name__ for c in mine.values()] == ["MyBlockAllocator", "MyBlockTable", "MyScheduler"], mine
+    assert all(w.startswith("YOURS") for w in which.values()), which
+    ref, which = simulator_parts(ROOT / "exercises", verbose=False)
+    assert ref == {"allocator_cls": BlockAllocator, "block_table_cls": BlockTable, "scheduler_cls": Scheduler}
+    assert all(w.startswith("reference") and "not implemented yet" in w for w in which.values()), which
+    code = text_of(next((ROOT / "notebooks").glob("10_*.ipynb")), "code")
+    assert "simulator_parts(WORKBOOKS)" in code and "parts=PARTS" in code
