@@ -1,7 +1,8 @@
 """The command line: ``minipaged demo | serve | bench [SUB] | grade | info``, one argparse tree.
 
 Owns the commands' names and wiring only: each command's module declares its own arguments
-(``add_arguments(parser)``) and does the work (``run(args)``)."""
+(``add_arguments(parser)``) and does the work (``run(args)``). The ``bench`` branch is the
+bench's own (``minipaged.bench.commands``), imported here and never the other way round."""
 from __future__ import annotations
 
 import argparse
@@ -117,38 +118,6 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-# ``minipaged bench SUB``: each module offers add_arguments(parser) and run(args) (and main(argv)
-# for ``python -m``). The bench's own options (no SUB) run the serving experiments.
-BENCH_COMMANDS = [
-    ("kernels", ".bench.kernels", "time the Triton paged decode kernel on a GPU (GB/s against the copy bandwidth)"),
-    ("speed", ".bench.speed", "minipaged against transformers' generate at the same batch, and the fp32 GEMM ceiling"),
-    ("profile", ".bench.profile", "where a step's time goes at batch 1, 16 and 64"),
-    ("tp", ".bench.tp", "where a tensor-parallel decode step's time goes: compute, all-reduce, bytes per token"),
-    ("ablation", ".bench.ablation", "what each fast path buys: plain, + C kernels, + GGUF matmul, + whole-step decode, + greedy-from-head"),
-    ("detok", ".bench.detok", "what detokenizing costs per token, incremental against a full re-decode"),
-    ("prefix", ".bench.prefix", "a shared system prompt with the prefix cache on and off"),
-    ("spec", ".bench.spec", "speculative decoding (n-gram drafts) on and off, on a repeating workload and free chat"),
-    ("paper", ".bench.gpu.paper", "the PagedAttention paper's Figs. 12-13 on a simulated GPU (real scheduler, no model)"),
-]
-
-
-def _module(name: str):
-    import importlib
-
-    return importlib.import_module(name, __package__)
-
-
-def _add_module_command(sub, name: str, module: str, help: str) -> argparse.ArgumentParser | None:
-    try:
-        mod = _module(module)
-    except ImportError:  # a command whose module is not in this install: leave it out of the menu
-        return None
-    p = sub.add_parser(name, help=help, description=(mod.__doc__ or help).strip().splitlines()[0])
-    mod.add_arguments(p)
-    p.set_defaults(fn=mod.run, _parser=p)
-    return p
-
-
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -166,34 +135,23 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="versions, GPU, Triton mode, where the default model is")
     i.set_defaults(fn=_info)
 
-    serving = _module(".bench.serving")
-    b = sub.add_parser("bench", help="the serving experiments: {contiguous, paged} x {static, continuous}, naive, "
-                                     "transformers, an online sweep (or a sub-command: kernels, speed, profile, serve, ...)",
-                       description=(serving.__doc__ or "").strip().splitlines()[0])
-    serving.add_arguments(b)
-    b.set_defaults(fn=serving.run, _parser=b)
-    bsub = b.add_subparsers(dest="bench_cmd", metavar="{kernels,speed,profile,ablation,tp,detok,prefix,paper,serve}")
-    for name, module, help in BENCH_COMMANDS:
-        _add_module_command(bsub, name, module, help)
+    from .bench.commands import add_bench_parser, add_module_command
+
+    add_bench_parser(sub)
     try:
-        from .server.cli import add_bench_serve_parser, add_serve_parser
+        from .server.cli import add_serve_parser
     except ImportError:
-        add_bench_serve_parser = add_serve_parser = None
-    if add_bench_serve_parser is not None:
-        add_bench_serve_parser(bsub)
+        add_serve_parser = None
+    if add_serve_parser is not None:
         add_serve_parser(sub)
-    _add_module_command(sub, "grade", ".checks.grading", "grade a class's workbooks in a sandbox with the exercises' own checks")
+    add_module_command(sub, "grade", ".checks.grading", "grade a class's workbooks in a sandbox with the exercises' own checks")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        return args.fn(args) or 0
-    except (FileNotFoundError, ValueError, ImportError) as e:
-        print(f"minipaged {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+    from .bench.commands import dispatch
+
+    return dispatch(build_parser(), list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

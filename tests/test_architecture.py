@@ -231,3 +231,49 @@ def test_a_cycle_is_found_and_reported_as_a_path():
     cycles = sorted(find_cycles(graph))
     assert cycles == [["a", "b", "c", "a"], ["e", "e"]]
     assert find_cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+# -- the same, one level up: packages --------------------------------------------------------------
+def package_graph(graph: dict[str, dict[str, str]], package: str) -> dict[str, dict[str, str]]:
+    """The import graph among ``package``'s children, each subpackage taken as one node (all of
+    its modules together): child -> child -> ``"module -> module (line)"``, the first import that
+    makes the edge."""
+    def child(name: str) -> str | None:
+        if not name.startswith(package + "."):
+            return None
+        return f"{package}.{name[len(package) + 1:].split('.')[0]}"
+
+    out: dict[str, dict[str, str]] = {}
+    for a, targets in sorted(graph.items()):
+        ca = child(a)
+        if ca is None:
+            continue
+        out.setdefault(ca, {})
+        for b, line in sorted(targets.items()):
+            cb = child(b)
+            if cb is not None and cb != ca:
+                out[ca].setdefault(cb, f"{a} -> {b} (line {line})")
+    return out
+
+
+def test_no_package_imports_another_that_imports_it_back():
+    """Within every package (minipaged itself, bench, bench.gpu, server, ...), its modules and
+    subpackages, a subpackage counted as one, import each other without a loop: e.g. bench must
+    not reach the server while the server (or the command line it plugs into) reaches the bench."""
+    graph = import_graph()
+    modules = package_modules()
+    packages = sorted(n for n, p in modules.items() if p.name == "__init__.py")
+    assert PKG in packages and f"{PKG}.bench" in packages and f"{PKG}.bench.gpu" in packages
+    found = []
+    for package in packages:
+        pg = package_graph(graph, package)
+        for cycle in find_cycles(pg):
+            found.append(" -> ".join(cycle) + "\n    " + " ; ".join(pg[a][b] for a, b in zip(cycle, cycle[1:])))
+    assert not found, "package-level import loops (lazy imports count):\n  " + "\n  ".join(found)
+
+
+def test_a_package_loop_is_seen_through_its_modules():
+    graph = {"p.a.x": {"p.b.y": 3}, "p.b.y": {"p.b.z": 1}, "p.b.z": {"p.a.w": 7}, "p.a.w": {}}
+    pg = package_graph(graph, "p")
+    assert find_cycles(pg) == [["p.a", "p.b", "p.a"]] and pg["p.b"]["p.a"] == "p.b.z -> p.a.w (line 7)"
+    assert find_cycles(package_graph(graph, "p.b")) == []  # inside b: y -> z only

@@ -169,6 +169,14 @@ def test_poisson_arrivals_are_seeded_and_at_the_rate():
     assert (len(a) - 1) / a[-1] == pytest.approx(20.0, rel=0.08)
     with pytest.raises(ValueError, match="rate"):
         poisson_arrivals(3, 0)
+    assert poisson_arrivals(0, 1.0) == [] and poisson_arrivals(1, 1.0) == [0.0]
+
+
+def test_one_arrival_process_serves_the_sweep_the_load_generator_and_the_simulated_gpu():
+    from minipaged.bench import gpu, serve
+
+    assert gpu.poisson_arrivals is poisson_arrivals
+    assert serve.arrival_times(50, 3.0, "poisson", seed=4) == poisson_arrivals(50, 3.0, seed=4)
 
 
 def test_attribution_is_the_ratio_of_the_cells():

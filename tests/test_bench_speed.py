@@ -12,6 +12,7 @@ import torch
 
 from minipaged.bench import profile as prof
 from minipaged.bench import speed
+from minipaged.bench.commands import main as bench_main
 from minipaged.bench.workloads import Request
 
 
@@ -150,7 +151,7 @@ def test_the_untimed_run_serves_every_token(tiny_model):
                                        (["--threads", "0"], "--threads must be >= 1")])
 def test_profile_cli_refuses_bad_arguments(argv, msg, capsys):
     with pytest.raises(SystemExit):
-        prof.main(argv)
+        bench_main(["profile", *argv])
     assert msg in capsys.readouterr().err
 
 
@@ -158,7 +159,7 @@ def test_profile_cli_refuses_bad_arguments(argv, msg, capsys):
                                        (["--systems", "minipaged,vllm"], "unknown system(s) ['vllm']")])
 def test_speed_cli_refuses_bad_arguments(argv, msg, capsys):
     with pytest.raises(SystemExit):
-        speed.main(argv)
+        bench_main(["speed", *argv])
     assert msg in capsys.readouterr().err
 
 

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from minipaged.bench.gpu.cost import Calibration, StepCostModel, activation_reserve_bytes, memory_plan
-from minipaged.bench.gpu.datasets import poisson_arrivals, sample_lengths
+from minipaged.bench.clock import poisson_arrivals
+from minipaged.bench.gpu.datasets import sample_lengths
 from minipaged.bench.gpu.paper import format_table, max_rate_from_curve, paper_checks, readme_block
 from minipaged.bench.gpu.policies import BuddySpans, ContiguousSpans, Reservation, ReservingScheduler, next_pow2
 from minipaged.bench.gpu.simulator import LengthStop, build_scheduler, run
@@ -100,14 +101,6 @@ def test_synthesized_lengths_have_the_papers_means_and_fit_the_context(name, inp
     o = sum(b for _, b in r) / len(r)
     assert abs(p - inp) / inp < 0.03 and abs(o - out) / out < 0.03
     assert all(a >= 1 and b >= 1 and a + b <= 2048 for a, b in r)
-
-
-def test_poisson_arrivals_have_the_asked_rate():
-    a = poisson_arrivals(20_000, 4.0, seed=1)
-    assert a == sorted(a)
-    assert abs(len(a) / a[-1] - 4.0) < 0.1
-    with pytest.raises(ValueError):
-        poisson_arrivals(3, 0)
 
 
 # -- reservation policies ----------------------------------------------------------------------

@@ -330,10 +330,10 @@ def test_clear_errors():
 # The GPU benchmark: its CPU path, and one case run through the interpreter with faked timing
 # ----------------------------------------------------------------------------------------------
 def test_kernel_benchmark_without_gpu_says_so(monkeypatch, tmp_path, capsys):
-    from minipaged.bench import kernels as kb
+    from minipaged.bench.commands import main as bench_main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert kb.main(["--json", str(tmp_path / "k.json")]) == 0
+    assert bench_main(["kernels", "--json", str(tmp_path / "k.json")]) == 0
     said = capsys.readouterr().out
     assert "no CUDA GPU is present" in said and "Nothing was measured" in said
     assert json.loads((tmp_path / "k.json").read_text())["device"] is None

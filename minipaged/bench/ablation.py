@@ -14,12 +14,14 @@ why, from the plan. Tokens are compared with the plain rung's.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from . import save_run
 
 # (name, the EngineConfig switches of the rung): each adds one optimisation to the one before
 LADDER = [
@@ -101,24 +103,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--batch1-requests", type=int, default=2)
     ap.add_argument("--model", default=None, help="a .gguf file or model folder (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--json", default=None, help="write the results here (the README's ablation block reads it)")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here (the README's ablation block reads it)")
 
 
 def run(a: argparse.Namespace) -> int:
     res = run_ablation(a.num_requests, a.max_tokens, a.batch_size, a.batch1_requests, a.model)
     print()
     print(format_markdown(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    save_run(res, a)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -46,13 +46,3 @@ def run(args: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> 
     for r in measure(tok):
         print(f"{r['tokens']:>7} {r['incremental_us_per_token']:>22.1f} {r['full_redecode_us_per_token']:>25.1f}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minipaged bench detok", description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv), ap)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

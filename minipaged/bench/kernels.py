@@ -327,13 +327,3 @@ def run(args: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> 
         args.json.write_text(json.dumps(report, indent=2))
         print(f"\nwrote {args.json}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minipaged.bench kernels", description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv), ap)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

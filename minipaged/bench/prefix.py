@@ -6,7 +6,7 @@ computed, held and took: TTFT, throughput, prompt tokens computed, peak KV block
 hit rate. Also parallel sampling: one prompt with ``n`` samples against ``n`` separate
 requests, in peak KV blocks. It prints and returns figures; it asserts nothing about speed.
 
-    python -m minipaged.bench.prefix [--requests 8] [--max-tokens 16] [--block-size 16]
+    minipaged bench prefix [--requests 8] [--max-tokens 16] [--block-size 16]
 """
 from __future__ import annotations
 
@@ -173,13 +173,3 @@ def run(a: argparse.Namespace, p: argparse.ArgumentParser | None = None) -> int:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(r, f, indent=2)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="the shared-prefix workload, prefix cache on and off")
-    add_arguments(p)
-    return run(p.parse_args(argv), p)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

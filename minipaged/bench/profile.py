@@ -24,7 +24,6 @@ Prints a markdown table (the README's) and can write JSON.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -297,13 +296,3 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
     print(format_markdown(res))
     save_run(res, a)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minipaged bench profile", description=__doc__.split("\n")[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv), ap)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,7 +25,6 @@ import asyncio
 import json
 import math
 import platform
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from .clock import poisson_arrivals
 from .workloads import synthetic
 
 DATASETS = {"sharegpt-like": "sharegpt", "alpaca-like": "alpaca", "fixed": "fixed"}
@@ -91,9 +91,7 @@ def arrival_times(n: int, rate: float, arrival: str = "poisson", burst_size: int
         if burst_size < 1:
             raise ValueError(f"burst_size must be >= 1, got {burst_size}")
         return [(i // burst_size) * burst_size / rate for i in range(n)]
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
-    gaps[0] = 0.0
-    return np.cumsum(gaps).tolist()
+    return poisson_arrivals(n, rate, seed)
 
 
 # -- one request -----------------------------------------------------------------------------
@@ -535,7 +533,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
-def main_from_args(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     for name in ("num_requests", "burst_size", "max_prompt", "max_output", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -549,7 +547,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         with srv:
             args.url, args.launch = srv.url, False
             print(f"launched: {' '.join(srv.cmd[1:])}", flush=True)
-            return main_from_args(args)
+            return run(args)
     report = run_load(
         args.url, rate=args.rate, num_requests=args.num_requests, dataset=args.dataset, arrival=args.arrival,
         burst_size=args.burst_size, seed=args.seed, endpoint=args.endpoint, model=args.model, scale=args.scale,
@@ -570,13 +568,3 @@ def main_from_args(args: argparse.Namespace) -> int:
         plot_run(report, args.plot)
         print(f"wrote {args.plot}")
     return 0 if report["completed"] else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="minipaged bench serve", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return main_from_args(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,6 +25,7 @@ from .. import parts
 from ..kv_cache import kv_bytes_per_token
 from . import hardware
 from .baselines import FACTORIAL, ServeResult, load_hf_peer, run_hf, run_system
+from .clock import LinearStepCost, RequestSeconds, StaticBatching, StepSeconds, poisson_arrivals, run_clock
 from .workloads import Workload, chat_prompt_ids, synthetic
 
 SYSTEMS = ("naive", *FACTORIAL, "hf")
@@ -151,14 +152,6 @@ def attribution(S: dict) -> dict:
 
 
 # -- the online sweep ----------------------------------------------------------------------
-def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
-    """``n`` arrival times (s) of a Poisson process of ``rate`` requests per second, from 0."""
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
-    return [0.0, *np.cumsum(gaps[1:]).tolist()]
-
-
 def slo_met(res: ServeResult, requests: list, ids: list[int], slo: dict) -> int:
     """How many of ``ids`` met the SLO (TTFT and TPOT both within it)."""
     ok = 0
@@ -203,21 +196,21 @@ def online_sweep(model, requests: list, rates: list[float], slo: dict, systems: 
 
 
 # -- online load on a virtual clock: the real scheduler, a fitted step cost ---------------------
-def step_cost(fixed_s: float, per_seat_s: float, per_prefill_token_s: float):
+def step_cost(fixed_s: float, per_seat_s: float, per_prefill_token_s: float) -> LinearStepCost:
     """A step's seconds as ``fixed + per_seat * sequences in the step + per_token * prompt tokens``:
-    the three numbers a lesson fits to the steps it timed (lesson 06)."""
-    def cost(seats: int, prefill_tokens: int) -> float:
-        return fixed_s + per_seat_s * seats + per_prefill_token_s * prefill_tokens
-    cost.params = (fixed_s, per_seat_s, per_prefill_token_s)
-    return cost
+    the three numbers a lesson fits to the steps it timed (lesson 06); ``.params`` gives them back."""
+    return LinearStepCost(fixed_s, per_seat_s, per_prefill_token_s)
 
 
-def simulate_online(requests: list[tuple[int, int]], arrivals: list[float], cost, *, static: bool = False,
+def simulate_online(requests: list[tuple[int, int]], arrivals: list[float], cost: StepSeconds, *, static: bool = False,
                     num_blocks: int, block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
-                    enable_chunked_prefill: bool = True, seed: int = 0) -> dict:
+                    enable_chunked_prefill: bool = True, arrival_overhead: RequestSeconds | float | None = None) -> dict:
     """Serve ``requests`` ((prompt_len, output_len), EOS ignored) arriving at ``arrivals`` (seconds)
-    with minipaged's own Scheduler and BlockAllocator (no prefix caching), on a virtual clock that
-    advances by ``cost(seats, prefill_tokens)`` a step and jumps over idle gaps. No model runs.
+    with minipaged's own Scheduler and BlockAllocator (no prefix caching), on the virtual clock
+    (:func:`minipaged.bench.clock.run_clock`): each step costs ``cost(scheduled)`` (e.g.
+    :func:`step_cost`), the clock jumps over idle gaps. No model runs. ``arrival_overhead``:
+    seconds charged once per request between its arrival and the scheduler (HTTP and tokenizing;
+    a number, or ``f(prompt_len, output_len)``), inside its TTFT but outside every step.
 
     ``static=True`` is static batching: new requests are admitted only when the running batch has
     drained, up to ``max_num_seqs`` (set it to what contiguous reservations fit). Returns per
@@ -227,50 +220,25 @@ def simulate_online(requests: list[tuple[int, int]], arrivals: list[float], cost
     from ..block_allocator import BlockAllocator
     from ..config import EngineConfig
     from ..scheduler import Scheduler
-    from ..sequence import Sequence
 
-    n = len(requests)
-    if len(arrivals) != n:
-        raise ValueError(f"{len(arrivals)} arrival times for {n} requests: give one per request")
-    rng = np.random.default_rng(seed)
     config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill)
     sched = Scheduler(BlockAllocator(num_blocks, block_size), config=config)
-    order = sorted(range(n), key=lambda i: (arrivals[i], i))
-    token_times: dict[int, list[float]] = {i: [] for i in range(n)}
-    computed = [0] * n
-    t, k, steps, queue = 0.0, 0, 0, []
-    while k < n or queue or sched.has_unfinished():
-        while k < n and arrivals[order[k]] <= t:
-            queue.append(order[k]); k += 1
-        if queue and (not static or not sched.has_unfinished()):
-            take = queue if not static else queue[:max_num_seqs]
-            for i in take:
-                p, o = requests[i]
-                seq = Sequence(i, rng.integers(0, 1000, p).tolist(), max_tokens=o, ignore_eos=True)
-                if not sched.add_request(seq):
-                    raise ValueError(f"request {i} ({p}+{o} tokens) can never fit: {seq.reject_reason}")
-            queue = queue[len(take):]
-        if not sched.has_unfinished():
-            t = max(t, arrivals[order[k]])  # idle: jump to the next arrival
-            continue
-        out = sched.schedule()
-        prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
-        t += cost(len(out.scheduled), prefill)
-        for s in out.scheduled:
-            computed[s.seq.seq_id] += s.num_new_tokens
-        sampled = {s.seq.seq_id: 0 for s in out.scheduled if s.samples}
-        sched.update(out, sampled)
-        for i in sampled:
-            token_times[i].append(t)
-        steps += 1
-    first = {i: tt[0] for i, tt in token_times.items()}
-    finish = {i: tt[-1] for i, tt in token_times.items()}
+    parts = StaticBatching(sched, max_num_seqs) if static else sched
+    run = run_clock(parts, requests, arrivals, cost, arrival_overhead=arrival_overhead, keep_token_times=True)
+    rejected = run.rejected + [(s.seq_id, s.reject_reason) for s in getattr(parts, "rejected", [])]
+    if rejected:
+        i, why = rejected[0]
+        p, o = requests[i]
+        raise ValueError(f"request {i} ({p}+{o} tokens) can never fit: {why}")
+    n = len(requests)
+    token_times = run.token_times
     assert all(len(token_times[i]) == requests[i][1] for i in range(n)), "every request gets its output_len tokens"
-    recomputed = sum(c - (p + o - 1) for c, (p, o) in zip(computed, requests))
-    return {"arrival": list(arrivals), "first_token": first, "finish": finish, "token_times": token_times,
-            "preemptions": sched.num_preemptions, "recomputed_tokens": int(recomputed), "steps": steps,
-            "seconds": max(finish.values()) - min(arrivals)}
+    recomputed = sum(c - (p + o - 1) for c, (p, o) in zip(run.computed_tokens, requests))
+    return {"arrival": list(arrivals), "first_token": dict(enumerate(run.first_token)),
+            "finish": dict(enumerate(run.finish)), "token_times": token_times,
+            "preemptions": sched.num_preemptions, "recomputed_tokens": int(recomputed), "steps": run.num_steps,
+            "seconds": max(run.finish) - min(arrivals)}
 
 
 def online_summary(sim: dict, requests: list[tuple[int, int]], rate: float, slo: dict,
@@ -716,9 +684,3 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
         for p in save_plots(res, a.plots):
             print(f"wrote {p}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minipaged bench", description=__doc__)
-    add_arguments(ap)
-    return run(ap.parse_args(argv), ap)

@@ -1,8 +1,10 @@
 """Simulated runs: the real Scheduler driven by a fake model, and static batching played on paper.
 
 Owns request-length sampling and the two simulators that produce a :class:`minipaged.trace.Trace`
-without a model (for pictures, widgets and workbook checks). It measures nothing: timings here
-are step units or a given ``step_time``; the measured systems are in ``minipaged.bench.baselines``.
+without a model (for pictures, widgets and workbook checks): :func:`simulate` records the steps of
+the one scheduler-on-a-clock loop (``minipaged.bench.clock``), :func:`simulate_static` plays static
+batching on paper. It measures nothing: timings here are step units or a given ``step_time``; the
+measured systems are in ``minipaged.bench.baselines``.
 """
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from .. import parts
 from ..block_allocator import BlockAllocator
 from ..block_table import BlockTable
 from ..scheduler import Scheduler
-from ..sequence import Sequence
 from ..config import EngineConfig
 from ..trace import StepRecord, Trace, is_prefill
+from .clock import run_clock, unit_steps
+
+StepTime = Callable[[int, int], float]  # (prefill tokens, decode tokens) of a step -> its seconds
 
 
 def make_scheduler(scheduler_cls: type, allocator: Any, block_table_cls: type, config: EngineConfig) -> Any:
@@ -66,9 +70,11 @@ def simulate(
     """Run the real Scheduler on ``requests`` (list of (prompt_len, output_len)) with a fake model.
 
     The fake model samples random token ids and EOS is ignored, so every request produces
-    exactly ``output_len`` tokens. ``arrivals[i]`` is the step at which request ``i`` arrives
-    (default: all at step 0). Time is one unit per step unless ``step_time`` says otherwise.
-    Request ``i`` gets seq_id ``i``; requests that can never fit are in ``trace.rejected``.
+    exactly ``output_len`` tokens. Time is one unit per step unless ``step_time`` says otherwise;
+    ``arrivals[i]`` is when request ``i`` arrives on that clock (default: all at 0), so in steps
+    by default. While nothing can run the engine keeps stepping, and those empty steps are
+    recorded too. Request ``i`` gets seq_id ``i``; requests that can never fit are in
+    ``trace.rejected``.
     """
     n = len(requests)
     arrivals = [0] * n if arrivals is None else list(arrivals)
@@ -82,33 +88,27 @@ def simulate(
     trace = Trace(kind="paged")
     trace.meta.update(requests=[tuple(r) for r in requests], arrivals=arrivals, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, time_unit="s" if step_time else "steps")
-    pending = sorted(range(n), key=lambda i: (arrivals[i], i))
     if max_steps is None:
         max_steps = 10 * (sum(p + o for p, o in requests) + max(arrivals, default=0) + 10)
-    t, step, k = 0.0, 0, 0
-    while k < len(pending) or sched.has_unfinished():
-        while k < len(pending) and arrivals[pending[k]] <= step:
-            i = pending[k]
-            p, o = requests[i]
-            seq = Sequence(i, [rng.randrange(vocab_size) for _ in range(p)], max_tokens=o, ignore_eos=True)
-            if not sched.add_request(seq):
-                trace.rejected.append((i, seq.reject_reason))
-            k += 1
-        out = sched.schedule()
-        if out.is_empty and not sched.running and sched.waiting and k == len(pending):
-            raise RuntimeError(f"the scheduler admits nothing although {len(sched.waiting)} request(s) wait and "
-                               "nothing runs: check its admission rule")
-        sampled = {s.seq.seq_id: rng.randrange(vocab_size) for s in out.scheduled if s.samples}
-        sched.update(out, sampled)
+
+    def on_step(out: Any, finished: list, t: float) -> None:
         if check_invariants:
             parts.check_scheduler(sched, max_num_seqs)
-        pf = sum(s.num_new_tokens for s in out.scheduled if is_prefill(s))
-        t += step_time(pf, out.num_batched_tokens - pf) if step_time else 1.0
         trace.record(sched, out, t)
-        step += 1
-        if step >= max_steps:
-            raise RuntimeError(f"simulation did not finish in {max_steps} steps: is a request stuck?")
+
+    run = run_clock(sched, requests, arrivals, _two_part(step_time) if step_time else unit_steps,
+                    tokens=lambda k: [rng.randrange(vocab_size) for _ in range(k)], idle_steps=True, on_step=on_step,
+                    max_steps=max_steps)
+    trace.rejected.extend(run.rejected)
     return trace
+
+
+def _two_part(step_time: StepTime) -> Callable[[Seq[Any]], float]:
+    """``step_time(prefill_tokens, decode_tokens)`` as the clock's step cost."""
+    def cost(scheduled: Seq[Any]) -> float:
+        pf = sum(s.num_new_tokens for s in scheduled if is_prefill(s))
+        return step_time(pf, sum(s.num_new_tokens for s in scheduled) - pf)
+    return cost
 
 
 def simulate_static(

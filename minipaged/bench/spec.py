@@ -255,13 +255,3 @@ def run(a: argparse.Namespace) -> int:
         print(f"minipaged bench spec: FAILED: speculation changed the greedy tokens ({', '.join(bad)})", file=sys.stderr)
         return 1
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

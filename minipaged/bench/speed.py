@@ -414,13 +414,3 @@ def run(a: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int
     print(format_summary(res))
     save_run(res, a)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minipaged bench speed", description=__doc__.split("\n")[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv), ap)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

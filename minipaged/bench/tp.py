@@ -13,10 +13,12 @@ all-reduced per token are predicted from the shapes (two all-reduces per layer, 
 from __future__ import annotations
 
 import argparse
-import json
 import time
+from pathlib import Path
 
 import torch
+
+from . import save_run
 
 
 def _decode_steps(eng, batch: int, max_tokens: int, prompts: list[list[int]]) -> dict:
@@ -103,23 +105,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--sizes", default=None, help="tensor_parallel_size values, comma-separated (default: 1 and the "
                     "smallest split the model's heads allow: 3 for SmolLM2-135M's 9 heads)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=Path, default=None)
 
 
 def run(a: argparse.Namespace) -> int:
     res = run_tp(a.model, a.batch, a.max_tokens, tuple(int(x) for x in a.sizes.split(",")) if a.sizes else None)
     print(format_table(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    save_run(res, a)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,9 +1,9 @@
-"""``minipaged serve`` and ``minipaged bench serve``: their argument parsers and what they run.
+"""``minipaged serve``: its argument parser and what it runs.
 
-Owns the command line of the server and the load generator. The engine's options are made
-from ``EngineConfig``'s fields (one flag per field, never declared again here), so a new engine
-setting is a new flag by itself. ``add_serve_parser(subparsers)`` and
-``add_bench_serve_parser(subparsers)`` plug into ``minipaged``'s parser.
+Owns the command line of the server. The engine's options are made from ``EngineConfig``'s
+fields (one flag per field, never declared again here), so a new engine setting is a new flag
+by itself. ``add_serve_parser(subparsers)`` plugs into ``minipaged``'s parser. The load
+generator's command (``minipaged bench serve``) is the bench's (``minipaged.bench.serve``).
 """
 from __future__ import annotations
 
@@ -82,18 +82,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "environment variable; unset: no key). Set one whenever --host is not 127.0.0.1")
     _engine_flags(p)
     p.set_defaults(fn=run_serve)
-    return p
-
-
-def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from ..bench.serve import add_arguments, main_from_args
-
-    p = subparsers.add_parser(
-        "serve", help="load-generate against an OpenAI-compatible server (minipaged or vLLM)",
-        description="Send requests at a rate to an OpenAI-compatible endpoint and report throughput, TTFT, TPOT, ITL, latency and goodput.",
-    )
-    add_arguments(p)
-    p.set_defaults(fn=main_from_args)
     return p
 
 
@@ -190,7 +178,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m minipaged.server.cli serve ...`` / ``bench-serve ...`` without the main CLI."""
+    """``python -m minipaged.server.cli serve ...`` without the main CLI."""
     ap = argparse.ArgumentParser(prog="minipaged")
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_serve_parser(sub)

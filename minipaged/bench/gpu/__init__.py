@@ -1,12 +1,14 @@
 """The simulated GPU: the PagedAttention paper's experiments driven by the real scheduler and pool.
 
 One concept per module: ``specs`` (GPUs and models, with sources), ``cost`` (KV room and
-roofline step time), ``datasets`` (synthesized ShareGPT/Alpaca lengths, Poisson arrivals),
-``policies`` (the baselines as reservation policies around any scheduler), ``simulator``
-(the clock) and ``paper`` (Figs. 12 and 13, ``minipaged bench paper``).
+roofline step time), ``datasets`` (synthesized ShareGPT/Alpaca lengths), ``policies`` (the
+baselines as reservation policies around any scheduler), ``simulator`` (the systems served on
+``minipaged.bench.clock``'s loop, which also owns the Poisson arrivals) and ``paper`` (Figs. 12
+and 13, ``minipaged bench paper``).
 """
+from ..clock import poisson_arrivals
 from .cost import Calibration, StepCostModel, memory_plan
-from .datasets import DATASETS, poisson_arrivals, sample_lengths
+from .datasets import DATASETS, sample_lengths
 from .policies import SYSTEMS, ReservingScheduler, Reservation
 from .simulator import SimResult, build_scheduler, run
 from .specs import GPUS, MODELS, get_gpu, get_model

@@ -353,6 +353,11 @@ class StepCostModel:
         """Seconds for one step of ``(start, num_new)`` pairs."""
         return self.cost(step).seconds
 
+    def __call__(self, scheduled: Iterable[Any]) -> float:
+        """The clock's step cost (``minipaged.bench.clock.StepSeconds``): seconds for the step of
+        these scheduled records (each one's ``start`` and ``num_new_tokens``)."""
+        return self.step_time([(s.start, s.num_new_tokens) for s in scheduled])
+
     def decode_totals_time(self, seqs: int, ctx: int) -> float:
         """Seconds for a decode-only step of ``seqs`` sequences whose contexts sum to ``ctx``
         (each reads ``start + 1`` keys: its ``pairs`` equal its context)."""

@@ -1,6 +1,6 @@
 """Request lengths for the paper's two workloads, synthesized: no dataset is downloaded.
 
-Owns the length distributions and the Poisson arrivals. The paper (Kwon et al., SOSP 2023,
+Owns the length distributions (the arrivals are ``minipaged.bench.clock.poisson_arrivals``). The paper (Kwon et al., SOSP 2023,
 Fig. 11) gives each dataset's mean input and output length in OPT tokens; ShareGPT has 8.4x
 longer prompts and 5.8x longer outputs than Alpaca, with higher variance. We draw each length
 from a log-normal distribution, cut to the model's context, whose *mean after the cut* is the
@@ -103,11 +103,3 @@ def sample_lengths(dataset: str | Dataset, n: int, max_len: int = 2048, seed: in
     o = d.output.sample(rng, n, max_len - 1)
     o = np.minimum(o, max_len - p)
     return [(int(a), int(b)) for a, b in zip(p, o)]
-
-
-def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
-    """``n`` arrival times (seconds from 0) of a Poisson process of ``rate`` requests per second."""
-    if rate <= 0:
-        raise ValueError(f"the request rate must be > 0, got {rate}")
-    rng = np.random.default_rng(seed + 7919)
-    return np.cumsum(rng.exponential(1.0 / rate, n)).tolist()

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .cost import DEFAULT_CALIBRATION, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, StepCostModel, memory_plan
-from .datasets import get_dataset, poisson_arrivals, sample_lengths
+from ..clock import poisson_arrivals
+from .datasets import get_dataset, sample_lengths
 from .policies import SYSTEMS
 from .simulator import SimResult, build_scheduler
 from .simulator import run as serve

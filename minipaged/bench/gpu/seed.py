@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost import DEFAULT_CALIBRATION, StepCostModel, memory_plan
-from .datasets import poisson_arrivals, sample_lengths
+from ..clock import poisson_arrivals
+from .datasets import sample_lengths
 from .policies import Reservation, ReservingScheduler
 from .simulator import build_scheduler, run
 from .specs import get_gpu, get_model
