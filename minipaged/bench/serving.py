@@ -204,13 +204,18 @@ def step_cost(fixed_s: float, per_seat_s: float, per_prefill_token_s: float) -> 
 
 def simulate_online(requests: list[tuple[int, int]], arrivals: list[float], cost: StepSeconds, *, static: bool = False,
                     num_blocks: int, block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
-                    enable_chunked_prefill: bool = True, arrival_overhead: RequestSeconds | float | None = None) -> dict:
+                    enable_chunked_prefill: bool = True, arrival_overhead: RequestSeconds | float | None = None,
+                    response_overhead: float = 0.0) -> dict:
     """Serve ``requests`` ((prompt_len, output_len), EOS ignored) arriving at ``arrivals`` (seconds)
     with minipaged's own Scheduler and BlockAllocator (no prefix caching), on the virtual clock
     (:func:`minipaged.bench.clock.run_clock`): each step costs ``cost(scheduled)`` (e.g.
     :func:`step_cost`), the clock jumps over idle gaps. No model runs. ``arrival_overhead``:
     seconds charged once per request between its arrival and the scheduler (HTTP and tokenizing;
     a number, or ``f(prompt_len, output_len)``), inside its TTFT but outside every step.
+    ``response_overhead``: seconds from the step that made a token to the client's having it (the
+    server's streaming path back over HTTP), charged once per request, at its first token: every
+    token of a request reaches the client that much later, so it adds to TTFT and latency and
+    leaves the gaps between tokens (TPOT) as they were. The times returned are the client's.
 
     ``static=True`` is static batching: new requests are admitted only when the running batch has
     drained, up to ``max_num_seqs`` (set it to what contiguous reservations fit). Returns per
@@ -232,13 +237,16 @@ def simulate_online(requests: list[tuple[int, int]], arrivals: list[float], cost
         p, o = requests[i]
         raise ValueError(f"request {i} ({p}+{o} tokens) can never fit: {why}")
     n = len(requests)
-    token_times = run.token_times
+    if response_overhead < 0:
+        raise ValueError(f"response_overhead is seconds (>= 0) from a step to the client, got {response_overhead}")
+    late = float(response_overhead)
+    token_times = {i: [t + late for t in tt] for i, tt in run.token_times.items()}
     assert all(len(token_times[i]) == requests[i][1] for i in range(n)), "every request gets its output_len tokens"
     recomputed = sum(c - (p + o - 1) for c, (p, o) in zip(run.computed_tokens, requests))
-    return {"arrival": list(arrivals), "first_token": dict(enumerate(run.first_token)),
-            "finish": dict(enumerate(run.finish)), "token_times": token_times,
+    return {"arrival": list(arrivals), "first_token": {i: t + late for i, t in enumerate(run.first_token)},
+            "finish": {i: t + late for i, t in enumerate(run.finish)}, "token_times": token_times,
             "preemptions": sched.num_preemptions, "recomputed_tokens": int(recomputed), "steps": run.num_steps,
-            "seconds": max(run.finish) - min(arrivals)}
+            "seconds": max(run.finish) + late - min(arrivals)}
 
 
 def online_summary(sim: dict, requests: list[tuple[int, int]], rate: float, slo: dict,

@@ -27,7 +27,7 @@ def _decode_steps(eng, batch: int, max_tokens: int, prompts: list[list[int]]) ->
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         eng.add_request(prompts[i % len(prompts)], sp)
-    times = []
+    times, shapes = [], []
     stats = getattr(eng.executor, "all_reduce", None)
     ar_seconds = ar_bytes = 0.0
     tokens = 0
@@ -35,11 +35,13 @@ def _decode_steps(eng, batch: int, max_tokens: int, prompts: list[list[int]]) ->
         decodes = not eng.scheduler.waiting and all(s.num_computed_tokens >= s.num_tokens - 1 for s in eng.scheduler.running)
         before = dict(stats) if stats else None
         batch_now = len(eng.scheduler.running)  # every running sequence decodes one token this step
+        shape = [(s.num_tokens - 1, 1) for s in eng.scheduler.running]  # (start, num_new), as a cost model reads a step
         t = time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t
         if decodes and batch_now:
             times.append(dt)
+            shapes.append(shape)
             tokens += batch_now
             if stats:
                 ar_seconds += stats["seconds"] - before["seconds"]
@@ -49,7 +51,7 @@ def _decode_steps(eng, batch: int, max_tokens: int, prompts: list[list[int]]) ->
             "all_reduce_seconds_per_step": ar_seconds / max(len(times), 1),
             "compute_seconds_per_step": (total - ar_seconds) / max(len(times), 1),
             "all_reduce_bytes_per_token": ar_bytes / tokens if tokens else 0.0,
-            "tokens_per_s": tokens / total if total else 0.0}
+            "tokens_per_s": tokens / total if total else 0.0, "steps": shapes}
 
 
 def smallest_split(cfg) -> int:
@@ -65,12 +67,17 @@ def smallest_split(cfg) -> int:
     raise ValueError(f"{cfg.name} cannot be split: {cfg.num_heads} heads")
 
 
-def run_tp(model_path: str | None = None, batch: int = 8, max_tokens: int = 16, sizes: tuple[int, ...] | None = None) -> dict:
+def run_tp(model_path: str | None = None, batch: int = 8, max_tokens: int = 16, sizes: tuple[int, ...] | None = None,
+           model: tuple | None = None) -> dict:
+    """Decode steps of the same greedy requests at each tensor-parallel size: per size the mean step,
+    its compute and all-reduce parts, the bytes all-reduced per token, and ``steps``, each timed
+    step's ``(start, num_new)`` pairs (for a cost model to price the same steps). ``model``: an
+    already loaded ``(model, tokenizer)`` instead of loading ``model_path``."""
     from ..engine import LLMEngine
     from ..model import load_model
     from .workloads import chat_prompt_ids
 
-    model, tok = load_model(model_path)
+    model, tok = model if model is not None else load_model(model_path)
     prompts = chat_prompt_ids(tok)
     cfg = model.config
     sizes = sizes or (1, smallest_split(cfg))

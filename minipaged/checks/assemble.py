@@ -216,6 +216,50 @@ def _load_parts(folder, learner, verbose, use_triton, state) -> LearnerParts:
     return parts
 
 
+# The parts the simulated GPU runs (lesson 10): workbook, the part's name there, build_scheduler's keyword.
+SIMULATOR_PARTS = [("02_block_allocator", "MyBlockAllocator", "allocator_cls"),
+                   ("03_block_table", "MyBlockTable", "block_table_cls"),
+                   ("06_scheduler", "MyScheduler", "scheduler_cls")]
+
+
+def simulator_parts(folder: str | os.PathLike | None = None, learner: str | None = None, verbose: bool = True,
+                    timeout: float = 300) -> tuple[dict, dict]:
+    """Your block pool (02), block table (03) and scheduler (06) for the simulated GPU, each one
+    where its workbook is in ``folder`` and passes its own check, minipaged's reference part in
+    place of each one that does not. Returns ``(parts, which)``: ``parts`` for
+    ``minipaged.bench.gpu.build_scheduler`` (``allocator_cls``, ``block_table_cls``,
+    ``scheduler_cls``), ``which`` one line per part saying whose ran and why; printed when
+    ``verbose``. Unlike :func:`load_parts` it never fails: the simulation runs either way."""
+    from ..block_allocator import BlockAllocator
+    from ..block_table import BlockTable
+    from ..scheduler import Scheduler
+
+    reference = {"allocator_cls": BlockAllocator, "block_table_cls": BlockTable, "scheduler_cls": Scheduler}
+    state = {"current": "running your workbooks' code cells"}
+
+    def load() -> tuple[dict, dict]:
+        root = _folder(folder)
+        who = learner if learner is not None else (os.environ.get("MINIPAGED_LEARNER") or None)
+        parts, which = {}, {}
+        spec = {p[0]: p for p in _PARTS}
+        for stem, name, key in SIMULATOR_PARTS:
+            _, names, module, fn_name, pick = spec[stem]
+            objs, problem, row = _try_part(root, who, stem, names, module, fn_name, pick, state)
+            if problem is None:
+                parts[key] = objs[0]
+                which[key] = f"YOURS: {name} from {row[2]}"
+            else:
+                parts[key] = reference[key]
+                which[key] = f"reference {reference[key].__name__} ({problem[0]})"
+        return parts, which
+
+    parts, which = run_with_time_limit(load, timeout, NAME, lambda: state["current"])
+    if verbose:
+        for key, line in which.items():
+            print(f"  {key:<16} {line}")
+    return parts, which
+
+
 _MODEL: dict = {}
 
 
@@ -480,4 +524,4 @@ def _mismatch(exp, got, parts: LearnerParts, build_engine, model, tok, state) ->
                        + f"\n\nEngine settings: {ENGINE_ARGS}, max_tokens={MAX_TOKENS}, temperature=0.\n\nHint: " + hint)
 
 
-__all__ = ["LearnerParts", "load_parts", "check_engine", "model_and_tokenizer", "PROMPTS", "ENGINE_ARGS"]
+__all__ = ["LearnerParts", "load_parts", "simulator_parts", "check_engine", "model_and_tokenizer", "PROMPTS", "ENGINE_ARGS"]

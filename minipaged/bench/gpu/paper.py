@@ -325,6 +325,25 @@ def plot(res: dict, path: str | Path | None = None):
     return fig
 
 
+# The stored result of the default run (10,000 requests per system, minipaged's reference parts), shipped
+# inside the package so lesson 10 shows it wherever minipaged is installed (Colab too). `minipaged bench
+# paper --json docs/figures/paper_sharegpt.json` writes the repository's copy; tests/test_lesson_truth.py
+# keeps the two equal.
+STORED = {"sharegpt": "paper_sharegpt.json"}
+
+
+def stored_result(dataset: str = "sharegpt") -> dict:
+    """The stored :func:`reproduce` result for ``dataset`` (package data, read through
+    ``importlib.resources``: no file of the repository is needed)."""
+    import json
+    from importlib.resources import files
+
+    if dataset not in STORED:
+        raise ValueError(f"no stored result for {dataset!r}: stored are {', '.join(STORED)}; "
+                         f"run `minipaged bench paper --dataset {dataset}` to make one")
+    return json.loads(files(__package__).joinpath(STORED[dataset]).read_text(encoding="utf-8"))
+
+
 def readme_block(res: dict, plot_path: str = "docs/figures/paper_sharegpt.png") -> str:
     """The README's "Where PagedAttention pays" table, from a result of :func:`reproduce`."""
     st = res["settings"]

@@ -1,0 +1,298 @@
+"""One model of this machine: what a step costs here, measured once, and predictions set beside measurements.
+
+Owns the profile every lesson explains a time with (:func:`profile`), the predictions read from it
+(:func:`predict_step`, :func:`knee`, :func:`ridge`, speculative decoding's break-even) and the one
+format a prediction is printed and checked in (:func:`check_prediction`). The measuring is not
+new: this machine's ceilings and the route's own operators timed alone, as Vidur (MLSys 2024)
+profiles them (``minipaged.bench.hardware``), priced by the simulated GPU's step-cost model
+(``minipaged.bench.gpu.cost``) with the overheads fitted on a few real engine steps
+(``minipaged.bench.gpu.validate.fit_calibration``), the model the CPU validation holds within 25%.
+It does not decide what runs; the engine's plan does, and the profile follows that plan's route.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Iterable
+
+from .bench.gpu.cost import AttentionProfile, Calibration, LinearProfile, StepCostModel
+from .bench.gpu.specs import ModelSpec
+
+# The profile's grids. Quick: a lesson's budget (about 10 s for SmolLM2-135M on 2 CPU cores); full: the
+# CPU validation's grids. Rows past a grid's last point extend its last segment (cost._interp).
+QUICK = {"rows": (1, 2, 3, 4, 8, 16, 32, 64, 128), "linear_repeats": 3,
+         "attention_batches": (1, 8, 64), "attention_contexts": (32, 128, 512), "attention_repeats": 2,
+         "decode_batches": (1, 16), "decode_context": 32, "decode_steps": 3, "prefill_tokens": (256,)}
+FULL = {"rows": (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024),
+        "linear_repeats": 5, "attention_batches": (1, 2, 4, 8, 16, 32, 64),
+        "attention_contexts": (32, 64, 128, 256, 512, 1024), "attention_repeats": 5,
+        "decode_batches": (1, 64), "decode_context": 64, "decode_steps": 8, "prefill_tokens": (256, 512)}
+# knee(): the decode steps whose slope is "the cost of one more sequence", at this context (the lessons'
+# decode measurements run contexts of 32-128 tokens)
+KNEE_BATCHES = (1, 32, 64)
+KNEE_CONTEXT = 32
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """This machine, measured for one model on one route: its two ceilings (read bandwidth in GB/s,
+    fp32 GEMM rate in GFLOP/s), the route's linear layers by row count and decode attention by
+    (batch, context), and the overheads per step, sequence and token fitted on real engine steps.
+    ``measure_seconds``: what measuring it took; ``measured_at``: ``time.monotonic()`` then."""
+
+    route: str
+    read_GBps: float
+    gemm_gflops: float
+    linear: LinearProfile
+    attention: AttentionProfile
+    calibration: Calibration
+    measure_seconds: float
+    model_spec: ModelSpec
+    measured_at: float = 0.0
+
+    @property
+    def ridge(self) -> float:
+        """FLOPs this machine can do per byte it reads: GEMM rate / read bandwidth."""
+        return self.gemm_gflops / self.read_GBps
+
+
+# -- measuring ------------------------------------------------------------------------------------
+def _engine_of(llm_or_engine: Any) -> Any:
+    eng = getattr(llm_or_engine, "engine", llm_or_engine)
+    for attr in ("model", "plan", "backend", "executor", "config"):
+        if not hasattr(eng, attr):
+            raise TypeError(f"machine.profile needs an LLM or an LLMEngine (one device), got "
+                            f"{type(llm_or_engine).__name__} without .{attr}")
+    return eng
+
+
+def route_of(engine: Any) -> str:
+    """The route a step of ``engine`` takes, in words: its linear layers and its decode attention
+    (and the whole-step decode where the plan runs it)."""
+    r = engine.plan.routes
+    whole = r.get("whole_step_decode", "off")
+    return (f"{r['linear']} + {r['decode_attention']} attention"
+            + ("" if whole.startswith("off") else f" + whole-step decode {whole}"))
+
+
+def _time_route_linears(engine: Any, rows: tuple, repeats: int) -> dict:
+    """``hardware.linear_profile``'s numbers for a route whose matmuls are not ``F.linear`` on the fp32
+    weights (the GGUF blocks): the executor's own ``_linear`` over every layer's matrices, and the LM
+    head, at each row count (median of ``repeats``)."""
+    import torch
+
+    from .bench.hardware import _median
+
+    model, ex = engine.model, engine.executor
+    vocab = model.config.vocab_size
+    lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    body = [m for m in lins if m.weight.shape[0] != vocab]
+    head = [m for m in lins if m.weight.shape[0] == vocab] or [model.lm_head]
+
+    @torch.inference_mode()
+    def timed(mods: list, r: int) -> float:
+        xs = [torch.randn(r, m.weight.shape[1]) for m in mods]
+        return _median(lambda: [ex._linear(m, x) for m, x in zip(mods, xs)], repeats)
+
+    return {"rows": list(rows), "body_s": [timed(body, r) for r in rows], "head_s": [timed(head, r) for r in rows]}
+
+
+def _private_engine(engine: Any, s: dict) -> Any:
+    """An engine on the same model and route for the calibration's steps, so the caller's engine,
+    its trace and its counters are left as they were."""
+    from .engine import LLMEngine
+    from .config import Parts
+
+    top = max(s["decode_batches"])
+    per_seq = -(-(max(s["decode_context"] + s["decode_steps"] + 4, max(s["prefill_tokens"]) + 2))
+                // engine.config.block_size)
+    cfg = engine.config.replace(num_blocks=top * per_seq + 8, kv_cache_bytes=None, max_num_seqs=max(top, 8),
+                                max_num_batched_tokens=max(512, max(s["prefill_tokens"])), enable_prefix_caching=False,
+                                record_trace=False, speculative_config=None)
+    return LLMEngine(engine.model, None, config=cfg, parts=Parts(attention=engine.parts.attention))
+
+
+def _measure(engine: Any, quick: bool) -> MachineProfile:
+    from .bench import hardware
+    from .bench.gpu import validate as v
+
+    t0 = time.perf_counter()
+    s = dict(QUICK if quick else FULL)
+    room = engine.config.max_model_len - 2  # a small model's positions bound the calibration's steps
+    s["prefill_tokens"] = tuple(sorted({min(n, room) for n in s["prefill_tokens"]}))
+    s["decode_context"] = min(s["decode_context"], room - s["decode_steps"] - 4)
+    model, c = engine.model, engine.model.config
+    ceil = hardware.ceilings(quick=quick)
+    if engine.plan.routes["linear"].startswith("torch"):
+        lp = hardware.linear_profile(model, rows=s["rows"], repeats=s["linear_repeats"])
+    else:
+        lp = _time_route_linears(engine, s["rows"], s["linear_repeats"])
+    linear = LinearProfile(lp["rows"], lp["body_s"], lp["head_s"], source=f"machine.profile: {route_of(engine)}")
+    bs = engine.config.block_size
+    ap = hardware.attention_profile(engine.backend, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, bs,
+                                    batches=s["attention_batches"], contexts=s["attention_contexts"],
+                                    repeats=s["attention_repeats"])
+    timer = hardware.attention_timer(engine.backend, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, bs)
+    attention = AttentionProfile(ap["batches"], ap["contexts"], ap["seconds"], groups=v.route_decode_groups(engine.backend),
+                                 source=f"machine.profile: {engine.backend.name} attention", prefill=timer)
+    machine = v.machine_spec(ceil["read_GBps"] * 1e9, ceil["gemm_gflops"] * 1e9)
+    spec = v.model_spec_of(model)
+    eng = _private_engine(engine, s)
+    v.measure_decode(eng, 1, 8, 1, seed=99)  # warm-up: first touch, lazy init
+    dec = [v.measure_decode(eng, b, s["decode_context"], s["decode_steps"], seed=b) for b in s["decode_batches"]]
+    pre = [v.measure_prefill(eng, n, repeats=1, seed=n) for n in s["prefill_tokens"]]
+    cal = v.fit_calibration(machine, spec, dec, pre, profile=linear, attention=attention)
+    return MachineProfile(route_of(engine), ceil["read_GBps"], ceil["gemm_gflops"], linear, attention, cal,
+                          time.perf_counter() - t0, spec, time.monotonic())
+
+
+def profile(llm_or_engine: Any, quick: bool = True) -> MachineProfile:
+    """This machine's profile for the engine's model on the engine's route, measured the first time
+    it is asked for in this process and kept on the model (one per route and size) after that.
+    Prints one line: what measuring took, or that it was cached. ``quick``: a lesson's grids
+    (:data:`QUICK`); otherwise the CPU validation's (:data:`FULL`)."""
+    eng = _engine_of(llm_or_engine)
+    key = (route_of(eng), eng.config.block_size, bool(quick))
+    kept = eng.model.__dict__.setdefault("_machine_profiles", {})
+    if key in kept:
+        prof = kept[key]
+        print(f"machine profile: cached (measured {time.monotonic() - prof.measured_at:.1f} s ago)")
+        return prof
+    prof = _measure(eng, quick)
+    kept[key] = prof
+    print(f"machine profile: measured in {prof.measure_seconds:.1f} s (route: {prof.route})")
+    return prof
+
+
+# -- predicting -----------------------------------------------------------------------------------
+def cost_model(prof: MachineProfile) -> StepCostModel:
+    """The step-cost model of this profile, for the scheduler-on-a-clock simulator (replays,
+    goodput): ``simulator.run(..., skip_ahead=False)``, since measured attention prices each step's
+    own groups of decodes."""
+    from .bench.gpu import validate as v
+
+    return v.cost_model(v.machine_spec(prof.read_GBps * 1e9, prof.gemm_gflops * 1e9), prof.model_spec,
+                        prof.calibration, prof.linear, prof.attention)
+
+
+def predict_step(prof: MachineProfile, step: Iterable[tuple[int, int]], logits_rows: int | None = None) -> float:
+    """Seconds of one engine step: ``step`` holds one ``(start, num_new)`` pair per scheduled sequence.
+    ``logits_rows``: rows the LM head runs on, where more than one a sequence (a verifying step of
+    speculative decoding runs it on every new token); default one a sequence."""
+    step = [(int(a), int(n)) for a, n in step]
+    t = cost_model(prof).step_time(step)
+    if logits_rows is not None:
+        t += prof.linear.head(logits_rows) - prof.linear.head(len(step))
+    return t
+
+
+def predict_decode(prof: MachineProfile, batch: int, context: int) -> float:
+    """Seconds of a decode step of ``batch`` sequences, each reading ``context`` tokens."""
+    return predict_step(prof, [(context - 1, 1)] * batch)
+
+
+def roofline_step(prof: MachineProfile, step: Iterable[tuple[int, int]]) -> float:
+    """What the roofline alone says a step costs (weights and K/V read at the measured bandwidth,
+    FLOPs at the square-GEMM rate, no profile, no overheads): the prediction a lesson sets beside
+    the profile's to show what the roofline misses."""
+    m = cost_model(prof)
+    bare = StepCostModel(m.gpu, prof.model_spec, Calibration(1.0, 1.0, 0.0, 0.0, 0.0),
+                         dtype_bytes=prof.model_spec.dtype_bytes)
+    return bare.step_time([(int(a), int(n)) for a, n in step])
+
+
+def knee(prof: MachineProfile, context: int = KNEE_CONTEXT, batches: tuple = KNEE_BATCHES) -> float:
+    """The decode batch where a step turns compute-bound, read off the predicted steps as
+    ``hardware.measured_knee`` reads measured ones: the batch-1 step's time (the floor) over the
+    cost of one more sequence at the largest batches (the slope between the last two of
+    ``batches``). ``inf`` where adding sequences costs nothing."""
+    floor = predict_decode(prof, batches[0], context)
+    a, b = batches[-2], batches[-1]
+    slope = (predict_decode(prof, b, context) - predict_decode(prof, a, context)) / (b - a)
+    return floor / slope if slope > 0 else math.inf
+
+
+def ridge(prof: MachineProfile) -> float:
+    """FLOPs per byte read where this machine turns compute-bound (GEMM rate / read bandwidth)."""
+    return prof.ridge
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a verifying step of ``k`` drafts yields a sequence when each draft is kept with
+    probability ``acceptance`` while the ones before it were: 1 + a + a^2 + ... + a^k."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
+def expected_speedup(acceptance: float, k: int, verify_cost_ratio: float) -> float:
+    """Speculative decoding's speed-up over plain decoding: the tokens a verifying step yields over
+    what it costs in plain steps (``verify_cost_ratio`` = T(k+1 tokens) / T(1 token), measured)."""
+    if verify_cost_ratio <= 0:
+        raise ValueError(f"verify_cost_ratio must be > 0 (T(k+1) / T(1)), got {verify_cost_ratio}")
+    return expected_tokens(acceptance, k) / verify_cost_ratio
+
+
+def break_even_acceptance(verify_cost_ratio: float, k: int) -> float:
+    """The acceptance rate where verifying ``k`` drafts pays for itself: the ``a`` with
+    1 + a + ... + a^k = ``verify_cost_ratio`` (0 where a verifying step costs no more than a plain
+    one; ``inf`` where even a = 1 does not pay, the ratio at or above k + 1)."""
+    if verify_cost_ratio <= 1.0:
+        return 0.0
+    if verify_cost_ratio >= k + 1:
+        return math.inf
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # expected_tokens is increasing in a
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < verify_cost_ratio else (lo, mid)
+    return (lo + hi) / 2
+
+
+# -- predictions beside measurements ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Prediction:
+    """One prediction set beside its measurement: ``off`` = |measured - predicted| / measured;
+    ``ok``: within ``tolerance``; ``explained``: the cause of a miss, where one was given."""
+
+    name: str
+    predicted: float
+    measured: float
+    tolerance: float
+    off: float
+    ok: bool
+    explained: str | None = None
+
+
+def _num(x: float, unit: str) -> str:
+    a = abs(x)
+    s = (f"{x:,.0f}" if a >= 1000 else f"{x:.0f}" if a >= 100 else f"{x:.1f}" if a >= 10 else f"{x:.2f}" if a >= 1
+         else f"{x:.3g}")
+    return f"{s} {unit}" if unit else s
+
+
+def check_prediction(name: str, predicted: float, measured: float, tolerance: float, unit: str = "",
+                     explained: str | None = None) -> Prediction:
+    """Print ``prediction <name>: predicted X, measured Y (Z% off, tolerance T%)`` and return it.
+    Beyond ``tolerance`` (a fraction: 0.25 = 25%) a miss must be explained: with ``explained`` (its
+    cause, shown by a measurement beside it) the next line reads ``explained miss: <cause>``;
+    without, AssertionError, which fails the cell."""
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance is a fraction of the measurement (0.25 = 25%), got {tolerance}")
+    predicted, measured = float(predicted), float(measured)
+    off = abs(measured - predicted) / abs(measured) if measured else math.inf
+    ok = off <= tolerance
+    line = (f"prediction {name}: predicted {_num(predicted, unit)}, measured {_num(measured, unit)} "
+            f"({off * 100:.1f}% off, tolerance {tolerance * 100:g}%)")
+    print(line)
+    if not ok:
+        if not explained:
+            raise AssertionError(
+                f"{line}: beyond tolerance. Check that the prediction and the measurement are of the same thing "
+                f"(route, batch, context, what is timed), then rerun the cell: a busy machine slows a measurement "
+                f"(a shared CPU); a miss that stays needs its cause measured and passed as explained=")
+        print(f"explained miss: {explained}")
+    return Prediction(name, predicted, measured, tolerance, off, ok, explained if not ok else None)
+
+
+__all__ = ["MachineProfile", "Prediction", "profile", "route_of", "cost_model", "predict_step", "predict_decode",
+           "roofline_step", "knee", "ridge", "expected_tokens", "expected_speedup", "break_even_acceptance",
+           "check_prediction", "QUICK", "FULL", "KNEE_BATCHES", "KNEE_CONTEXT"]

@@ -1,0 +1,165 @@
+"""minipaged.machine: the one model of this machine. Its arithmetic on a hand-built profile (knee,
+ridge, monotone predictions, speculative decoding's break-even), the one prediction format, the
+per-process cache, and planted errors (a profile twice too slow, a cost model without its
+overheads) failing a prediction checked against a real engine's step on a tiny model."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from minipaged import machine
+from minipaged.bench.gpu.cost import AttentionProfile, Calibration, LinearProfile
+from minipaged.bench.gpu.specs import ModelSpec
+
+SPEC = ModelSpec("hand", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                 vocab_size=512, max_len=512, num_params=0, mlp="gated", tied_embeddings=False, source="a test",
+                 dtype_bytes=4)
+
+
+def hand_profile(body_per_row=1e-3, seq_overhead=1e-4, step_overhead=2e-3) -> machine.MachineProfile:
+    """Linear in every term, so the knee can be worked by hand: body 10 ms + 1 ms a row, head 1 ms +
+    0.1 ms a row, decode attention 0.1 ms a sequence at 32 keys (0.4 ms at 512), overheads 2 ms a
+    step and 0.1 ms a sequence; 100 GFLOP/s over 10 GB/s."""
+    linear = LinearProfile((1, 64), (0.010, 0.010 + 63 * body_per_row), (0.001, 0.001 + 63 * 1e-4))
+    attention = AttentionProfile((1, 64), (32, 512), ((1e-4, 4e-4), (64e-4, 64 * 4e-4)))
+    return machine.MachineProfile("hand-built", 10.0, 100.0, linear, attention,
+                                  Calibration(1.0, 1.0, step_overhead, seq_overhead, 0.0), 0.0, SPEC)
+
+
+# -- arithmetic on a hand-built profile ------------------------------------------------------------
+def test_ridge_is_the_gemm_rate_over_the_read_bandwidth():
+    assert machine.ridge(hand_profile()) == pytest.approx(10.0)
+
+
+def test_the_knee_is_the_batch_one_floor_over_the_cost_of_one_more_sequence():
+    p = hand_profile()
+    floor = 0.010 + 0.001 + 1e-4 + 2e-3 + 1e-4                  # body, head, attention, step and sequence overheads
+    per_seq = 1e-3 + 1e-4 + 1e-4 + 1e-4                         # the same, for one more sequence
+    assert machine.predict_decode(p, 1, 32) == pytest.approx(floor, rel=1e-3)
+    assert machine.knee(p) == pytest.approx(floor / per_seq, rel=1e-3)   # about 10 sequences
+    # a cheaper row moves the knee out: the floor stays, the slope falls
+    assert machine.knee(hand_profile(body_per_row=1e-4)) > 3 * machine.knee(p)
+
+
+def test_predictions_grow_with_the_batch_the_context_and_the_new_tokens():
+    p = hand_profile()
+    by_batch = [machine.predict_decode(p, b, 64) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert by_batch == sorted(by_batch) and len(set(by_batch)) == len(by_batch)
+    by_ctx = [machine.predict_decode(p, 8, c) for c in (16, 32, 64, 128, 256, 512, 1024)]
+    assert by_ctx == sorted(by_ctx) and len(set(by_ctx)) == len(by_ctx)
+    p = replace(p, attention=replace(p.attention, prefill=None))    # prefills on the roofline, no timer
+    by_new = [machine.predict_step(p, [(100, n)]) for n in (1, 2, 8, 32, 128)]
+    assert by_new == sorted(by_new)
+    # a verifying step runs the LM head on every new token's row
+    assert machine.predict_step(p, [(100, 5)], logits_rows=5) == pytest.approx(
+        machine.predict_step(p, [(100, 5)]) + p.linear.head(5) - p.linear.head(1))
+    assert machine.roofline_step(p, [(31, 1)]) < machine.predict_step(p, [(31, 1)])  # no overheads, no profile
+
+
+def test_break_even_acceptance_and_expected_speedup_on_hand_worked_numbers():
+    # 1 + a + a^2 + a^3 + a^4 = 1.65 at a = 0.4 (1.6496): verifying 5 tokens for 1.65 steps pays above 40% acceptance
+    assert machine.break_even_acceptance(1.65, 4) == pytest.approx(0.4, abs=2e-3)
+    assert machine.expected_tokens(0.4, 4) == pytest.approx(1.6496)
+    # acceptance 0.83: 3.565 tokens a verifying step, for 1.65 plain steps' time: 2.16x
+    assert machine.expected_speedup(0.83, 4, 1.65) == pytest.approx(3.56527 / 1.65, rel=1e-4)
+    a = machine.break_even_acceptance(2.5, 4)
+    assert machine.expected_speedup(a, 4, 2.5) == pytest.approx(1.0, rel=1e-6)   # break-even is speed-up 1
+    assert machine.break_even_acceptance(0.9, 4) == 0.0                           # cheaper than a plain step: always
+    assert machine.break_even_acceptance(5.0, 4) == math.inf                      # k + 1 steps' price: never
+    with pytest.raises(ValueError, match="verify_cost_ratio"):
+        machine.expected_speedup(0.5, 4, 0.0)
+
+
+# -- the one format ------------------------------------------------------------------------------
+def test_check_prediction_prints_the_line_and_passes_within_tolerance(capsys):
+    p = machine.check_prediction("decode step B=1", 58.0, 50.0, 0.25, unit="ms")
+    assert capsys.readouterr().out == "prediction decode step B=1: predicted 58.0 ms, measured 50.0 ms (16.0% off, tolerance 25%)\n"
+    assert p.ok and p.off == pytest.approx(0.16) and p.explained is None and (p.predicted, p.measured) == (58.0, 50.0)
+
+
+def test_check_prediction_fails_beyond_tolerance_unless_the_miss_is_explained(capsys):
+    with pytest.raises(AssertionError, match=r"prediction knee: predicted 4.00, measured 36.0 \(88.9% off, tolerance 25%\)"):
+        machine.check_prediction("knee", 4, 36, 0.25)
+    capsys.readouterr()
+    p = machine.check_prediction("knee", 4, 36, 0.25, explained="the matvec floor of the 1-row matmuls")
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["prediction knee: predicted 4.00, measured 36.0 (88.9% off, tolerance 25%)",
+                   "explained miss: the matvec floor of the 1-row matmuls"]
+    assert not p.ok and p.explained.startswith("the matvec")
+    with pytest.raises(AssertionError):  # an empty cause is no explanation
+        machine.check_prediction("knee", 4, 36, 0.25, explained="")
+    with pytest.raises(ValueError, match="fraction"):
+        machine.check_prediction("knee", 4, 36, 25)
+
+
+# -- measured on a tiny model ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model):
+    from minipaged.engine import LLMEngine
+
+    model, tok = tiny_model
+    return LLMEngine(model, tok, fast_paths=False, enable_prefix_caching=False, num_blocks=64, max_num_seqs=16,
+                     max_num_batched_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tiny_engine):
+    tiny_engine.model.__dict__.pop("_machine_profiles", None)
+    return machine.profile(tiny_engine)
+
+
+@pytest.mark.slow  # measures a profile: several seconds on 2 shared cores
+def test_the_profile_is_measured_once_per_process_and_says_so(tiny_engine, tiny_profile, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(machine, "_measure", lambda *a: calls.append(a) or tiny_profile)
+    assert machine.profile(tiny_engine) is tiny_profile
+    assert capsys.readouterr().out.startswith("machine profile: cached (measured ")
+    from minipaged.engine import LLMEngine
+
+    other = LLMEngine(tiny_engine.model, None, fast_paths=False, enable_prefix_caching=False, num_blocks=16)
+    assert machine.profile(other) is tiny_profile and not calls        # same model, same route: the same profile
+    p = tiny_profile
+    assert p.route == "torch (F.linear) + torch attention" and p.measure_seconds > 0
+    assert p.ridge == pytest.approx(p.gemm_gflops / p.read_GBps) and p.read_GBps > 0
+    assert p.model_spec.num_layers == tiny_engine.model.config.num_layers and p.model_spec.dtype_bytes == 4
+    assert min(p.linear.body_s) > 0 and min(min(r) for r in p.attention.seconds) > 0
+    c = p.calibration
+    assert min(c.step_overhead_s, c.seq_overhead_s, c.token_overhead_s) >= 0 and c.step_overhead_s + c.seq_overhead_s > 0
+
+
+def _measured_decode(engine, batch):
+    from minipaged.bench.gpu.validate import measure_decode
+
+    return measure_decode(engine, batch, 20, 5, seed=batch)
+
+
+@pytest.mark.slow
+def test_planted_errors_fail_a_prediction_checked_against_the_engine(tiny_engine, tiny_profile):
+    """The honest profile's prediction of a measured decode step is compared with two plants: every
+    time measured three times too slow, and a cost model that drops its overheads (on a tiny model
+    most of a step). Each must be further off than the honest one and fail check_prediction at
+    25% (how close the honest one lands is the machine's business: not asserted here)."""
+    meas = _measured_decode(tiny_engine, 4)
+    ctx = max(a + n for a, n in meas.step)
+    honest = machine.predict_decode(tiny_profile, 4, ctx)
+    p = tiny_profile
+    slow = replace(p, linear=LinearProfile(p.linear.rows, [3 * x for x in p.linear.body_s], [3 * x for x in p.linear.head_s]),
+                   attention=replace(p.attention, seconds=[[3 * x for x in r] for r in p.attention.seconds]),
+                   calibration=replace(p.calibration, step_overhead_s=3 * p.calibration.step_overhead_s,
+                                       seq_overhead_s=3 * p.calibration.seq_overhead_s))
+    no_overheads = replace(p, calibration=Calibration(1.0, 1.0, 0.0, 0.0, 0.0))
+    off = lambda x: abs(x - meas.seconds) / meas.seconds  # noqa: E731
+    for plant in (slow, no_overheads):
+        planted = machine.predict_decode(plant, 4, ctx)
+        assert off(planted) > off(honest), (planted, honest, meas.seconds)
+        with pytest.raises(AssertionError, match="beyond tolerance"):
+            machine.check_prediction("decode step B=4 (planted)", planted * 1e3, meas.seconds * 1e3, 0.25, unit="ms")
+
+
+@pytest.mark.slow
+def test_the_cost_model_replays_engine_steps_and_knee_is_finite(tiny_profile):
+    cm = machine.cost_model(tiny_profile)
+    assert cm.step_time([(19, 1)] * 4) == pytest.approx(machine.predict_decode(tiny_profile, 4, 20))
+    assert 0 < machine.knee(tiny_profile) < math.inf
