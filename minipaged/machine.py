@@ -78,7 +78,7 @@ def route_of(engine: Any) -> str:
 
 def _time_route_linears(engine: Any, rows: tuple, repeats: int) -> dict:
     """``hardware.linear_profile``'s numbers for a route whose matmuls are not ``F.linear`` on the fp32
-    weights (the GGUF blocks): the executor's own ``_linear`` over every layer's matrices, and the LM
+    weights (the GGUF blocks): the plan's ``ops.linear`` over every layer's matrices, and the LM
     head, at each row count (median of ``repeats``)."""
     import torch
 
@@ -93,7 +93,7 @@ def _time_route_linears(engine: Any, rows: tuple, repeats: int) -> dict:
     @torch.inference_mode()
     def timed(mods: list, r: int) -> float:
         xs = [torch.randn(r, m.weight.shape[1]) for m in mods]
-        return _median(lambda: [ex._linear(m, x) for m, x in zip(mods, xs)], repeats)
+        return _median(lambda: [ex.plan.ops.linear(m, x) for m, x in zip(mods, xs)], repeats)
 
     return {"rows": list(rows), "body_s": [timed(body, r) for r in rows], "head_s": [timed(head, r) for r in rows]}
 

@@ -163,3 +163,17 @@ def test_the_cost_model_replays_engine_steps_and_knee_is_finite(tiny_profile):
     cm = machine.cost_model(tiny_profile)
     assert cm.step_time([(19, 1)] * 4) == pytest.approx(machine.predict_decode(tiny_profile, 4, 20))
     assert 0 < machine.knee(tiny_profile) < math.inf
+
+
+@pytest.mark.slow
+def test_the_gguf_route_times_the_plans_own_linear_op():
+    """On the GGUF route the profile times the plan's table (``plan.ops.linear``), not F.linear:
+    the call the forward makes is the call that is timed."""
+    from minipaged import LLM
+    from minipaged.machine import _time_route_linears
+
+    eng = LLM().llm_engine
+    if not eng.plan.routes["linear"].startswith("gguf"):
+        pytest.skip(f"the linear route here is {eng.plan.routes['linear']!r}, not the GGUF blocks")
+    got = _time_route_linears(eng, (1, 4), 1)
+    assert got["rows"] == [1, 4] and all(t > 0 for t in got["body_s"] + got["head_s"])
