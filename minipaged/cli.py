@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .bench.commands import dispatch
+    from .cpu.build import show_notices
 
+    show_notices()  # the kernels' build line on stderr, as a command-line tool should
     return dispatch(build_parser(), list(sys.argv[1:] if argv is None else argv))
 
 

@@ -9,6 +9,13 @@ the metadata in exercises/, so a learner's submission carries the grade ids nbgr
 
     python scripts/nbgrader_metadata.py           write the metadata into solutions/
     python scripts/nbgrader_metadata.py --check   exit 1, naming the cells, if any is missing or stale
+    python scripts/nbgrader_metadata.py --config COURSE_DIR
+                                                  write COURSE_DIR/nbgrader_config.py (cell time limit)
+
+nbgrader stops any cell after ``ExecutePreprocessor.timeout`` seconds (30 by default) and gives
+it 0. ``CELL_TIMEOUT_S`` is the limit each workbook needs: about four times its slowest cell,
+measured on 2 CPU cores (docs/instructor.md has the table); the generated config sets the
+largest, since nbgrader has one limit for all cells.
 """
 from __future__ import annotations
 
@@ -23,6 +30,38 @@ ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
 BEGIN = "### BEGIN SOLUTION"
 POINTS_PER_CHECK = 1
+
+# workbook -> (slowest cell measured on 2 cores, seconds; the cell limit nbgrader needs, seconds)
+CELL_TIMEOUT_S = {
+    "01_kv_cache_math": (1, 30),
+    "02_block_allocator": (1, 30),
+    "03_block_table": (1, 30),
+    "04_paged_attention_torch": (1, 30),
+    "05_triton_decode_kernel": (2, 30),  # the CPU interpreter; compiled on a GPU, the first call compiles (~10 s)
+    "06_scheduler": (1, 30),
+    "07_assemble": (15, 120),  # the check that builds an engine from the learner's parts and serves SmolLM2
+    "08_prefix_caching": (1, 30),
+    "09_speculative_decoding": (12, 90),  # SmolLM2 served with speculation on
+}
+DEFAULT_CELL_TIMEOUT_S = 120  # a workbook not in the table yet: as much as the slowest
+
+
+def cell_timeout(stems: list[str] | None = None) -> int:
+    """The one nbgrader cell limit that lets every workbook in ``stems`` (default: solutions/) finish."""
+    stems = stems if stems is not None else [p.stem for p in sorted(SOLUTIONS.glob("*.ipynb"))]
+    return max((CELL_TIMEOUT_S.get(s, (0, DEFAULT_CELL_TIMEOUT_S))[1] for s in stems), default=30)
+
+
+def config_text(course_dir: Path, course_id: str = "minipaged") -> str:
+    return (
+        "# Written by minipaged's scripts/nbgrader_metadata.py --config: nbgrader's settings for the workbooks.\n"
+        "c = get_config()  # noqa: F821 (nbgrader provides it)\n"
+        f"c.CourseDirectory.root = {str(course_dir)!r}\n"
+        f"c.CourseDirectory.course_id = {course_id!r}\n"
+        "# The slowest check (workbook 07 builds an engine and serves SmolLM2) needs more than nbgrader's\n"
+        "# default 30 s a cell; a cell past the limit scores 0. Per workbook: docs/instructor.md.\n"
+        f"c.ExecutePreprocessor.timeout = {cell_timeout()}\n"
+    )
 
 
 def _slug(text: str) -> str:
@@ -67,7 +106,15 @@ def problems(solutions: Path = SOLUTIONS) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true")
+    p.add_argument("--config", metavar="COURSE_DIR", type=Path,
+                   help="write COURSE_DIR/nbgrader_config.py (course root and the cell time limit) and stop")
     args = p.parse_args(argv)
+    if args.config is not None:
+        args.config.mkdir(parents=True, exist_ok=True)
+        target = args.config / "nbgrader_config.py"
+        target.write_text(config_text(args.config.resolve()), encoding="utf-8")
+        print(f"wrote {target} (cell time limit {cell_timeout()} s)")
+        return 0
     if args.check:
         bad = problems()
         if bad:

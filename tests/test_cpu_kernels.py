@@ -250,6 +250,7 @@ PROBE = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
 from minipaged.cpu import build
+build.show_notices()  # the build line on stderr, as the minipaged command shows it
 from minipaged.engine import LLMEngine
 from test_cpu_kernels import _tiny, _tokens, PROMPTS
 torch.set_num_threads(2)

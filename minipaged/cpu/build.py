@@ -8,9 +8,11 @@ here decides where a kernel is used: the engine's plan does (minipaged/plan.py).
 - Cached by a hash of the sources, the flags, this CPU's feature flags and torch's version, under
   ``$MINIPAGED_CACHE_DIR``, else ``$XDG_CACHE_HOME/minipaged``, else ``~/.cache/minipaged``
   (a temporary folder when none of those is writable).
-- The first load in a process prints one line on stderr: what was built (or found built), with
-  which flags, whether OpenMP is in, or why nothing could be built. ``info()`` says the same
-  (``minipaged info`` prints it).
+- The first load in a process logs one line, at INFO, on the ``minipaged.cpu`` logger: what was
+  built (or found built), with which flags, whether OpenMP is in, or why nothing could be built.
+  Never on stderr by itself: a notebook cell that writes to stderr scores 0 under nbgrader, so
+  a check that builds an engine must stay quiet. The ``minipaged`` command shows it (it sets up
+  the logger, ``show_notices()``); ``info()`` says the same (``minipaged info`` prints it).
 - No compiler or a failed build: ``library()`` is None and ``info()["why_not"]`` says why; every
   route then stays on PyTorch.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+log = logging.getLogger("minipaged.cpu")
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "kernels.c"
 ABI = 7
@@ -166,7 +170,7 @@ def library() -> ctypes.CDLL | None:
             except Exception as e:  # any failure means: the PyTorch routes serve
                 _STATE.lib, _STATE.info = None, {"why_not": str(e)}
             _STATE.tried = True
-            print(announcement(), file=sys.stderr)
+            log.info(announcement())
     return _STATE.lib
 
 
@@ -179,10 +183,25 @@ def announcement() -> str:
             f"GGUF matmul {'AVX-512' if i['avx512'] else 'portable loop only'})")
 
 
+def show_notices(stream=None) -> None:
+    """Print minipaged's INFO notices (the kernels' build line) on ``stream`` (stderr by default),
+    bare, once: what the ``minipaged`` command does. A library user calls
+    ``logging.basicConfig(level=logging.INFO)`` instead, or nothing to keep them quiet."""
+    root = logging.getLogger("minipaged")
+    if any(getattr(h, "_minipaged_notices", False) for h in root.handlers):
+        return
+    h = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    h.setFormatter(logging.Formatter("%(message)s"))
+    h._minipaged_notices = True
+    root.addHandler(h)
+    if root.level == logging.NOTSET or root.level > logging.INFO:
+        root.setLevel(logging.INFO)
+
+
 def info() -> dict:
     """What was built and how, or why not (builds on the first call)."""
     library()
     return dict(_STATE.info)
 
 
-__all__ = ["library", "info", "announcement", "cache_dir", "SOURCE", "FLAG_SETS"]
+__all__ = ["library", "info", "announcement", "show_notices", "cache_dir", "SOURCE", "FLAG_SETS"]
