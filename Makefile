@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.minipaged-installed
 
-.PHONY: demo test check setup bench notebooks exercises grade-solutions lab clean
+.PHONY: demo test check setup bench notebooks exercises grade-solutions lab clean release colab-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || { echo "creating $(VENV) ..."; $(PYTHON) -m venv $(VENV); }
@@ -22,9 +22,23 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/minipaged demo
 
-# Everything: what .ci/run runs.
+# Everything: what .ci/run runs. On success it notes the commit it tested (build/tests-passed),
+# which `make release` asks for; a tree with uncommitted changes is noted as not tested.
 test: $(STAMP)
 	$(PY) -m pytest -q
+	@mkdir -p build
+	@if [ -z "$$(git status --porcelain 2>/dev/null)" ]; then git rev-parse HEAD > build/tests-passed; \
+	else echo "uncommitted changes: build/tests-passed not written"; rm -f build/tests-passed; fi
+
+# A release (docs/release.md): clean tree and `make test` passed on this commit, then stamp the
+# install cells and badges, build dist/ (wheel + sdist), tag v<version>, print the publish commands.
+release:
+	$(PY) scripts/release.py
+
+# What a learner's Colab runtime gets, in full: every lesson and solved workbook from the built
+# wheel in a fresh venv, outside the repository (`make test` runs a few of them).
+colab-check: $(STAMP)
+	MINIPAGED_COLAB_ALL=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_colab_runtime.py
 
 # The quick tier, for every change: the unit, property, contract and parity tests. Tests marked
 # `slow` (notebooks, the browser, the server under load, the bench, grading runs, the real model's

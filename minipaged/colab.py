@@ -6,10 +6,10 @@ lesson and workbook, and the README's "Open in Colab" badges are built from ``RE
 
 ``RELEASE`` pins what Colab installs and opens: the tag of this package's version, the same
 tree the stored outputs were made with (``tests/test_colab_install.py`` checks that it names
-``minipaged.__version__``), never a moving branch. Making a release: bump the version in
-``pyproject.toml`` and ``minipaged/__init__.py``, re-run ``make notebooks``,
-``python scripts/stamp_colab.py`` and ``python scripts/update_readme.py``, then tag the commit
-``v<version>``.
+``minipaged.__version__``), never a moving branch. The version is set once, in
+``minipaged/__init__.py`` (pyproject.toml reads it); ``make release`` (scripts/release.py,
+docs/release.md) stamps it into the install cells and badges, builds, tags and prints the
+commands to publish.
 """
 from __future__ import annotations
 
@@ -41,13 +41,40 @@ def install_commands(source: str | None = None) -> list[list[str]]:
     ]
 
 
+WHEEL_ENV = "MINIPAGED_WHEEL"  # a wheel (or any pip requirement) to install instead of the release
+
+
+def wheel_name() -> str:
+    return f"minipaged-{__version__}-py3-none-any.whl"
+
+
+def install_failed_message() -> str:
+    """What the install cell says when the pinned release cannot be fetched: the alternatives."""
+    wheel = wheel_name()
+    return (f"Could not install minipaged {RELEASE} ({{what}}).\n"
+            f"pip said: {{why}}\n\nInstall it from a wheel instead: get {wheel} from "
+            f"{REPO_URL}/releases/tag/{RELEASE} (or from your instructor), then either\n"
+            f"  1. upload it (Files panel, left) and run, in a new cell:  %env {WHEEL_ENV}=/content/{wheel}\n"
+            f"  2. or put it on Google Drive, and run:  from google.colab import drive; drive.mount('/content/drive')\n"
+            f"     then:  %env {WHEEL_ENV}=/content/drive/MyDrive/{wheel}\n"
+            "and run this cell again. Nothing was changed.")
+
+
 def install_cell_source() -> str:
     return f'''{CELL_MARKER}: on Google Colab this installs minipaged and its default model; elsewhere it does nothing.
-import importlib.util, subprocess, sys
-if "google.colab" in sys.modules and importlib.util.find_spec("minipaged") is None:
+import importlib, importlib.util, os, subprocess, sys
+# ${WHEEL_ENV} (a wheel's path) replaces the release {RELEASE} when set; it also installs outside Colab.
+if importlib.util.find_spec("minipaged") is None and ("google.colab" in sys.modules or os.environ.get("{WHEEL_ENV}")):
     # No extras and no upgrades: Colab's own torch, triton, numpy, ipywidgets 7.7 and matplotlib stay.
     for args in {install_commands()!r}:
-        subprocess.run([sys.executable, *args], check=True)
+        args = [os.environ.get("{WHEEL_ENV}") or a if a == {install_commands()[0][-1]!r} else a for a in args]
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True)
+        if r.returncode != 0:
+            why = " / ".join([l.strip() for l in (r.stderr + r.stdout).splitlines() if l.strip()][-3:]) or "nothing"
+            class InstallFailed(Exception):
+                _render_traceback_ = lambda self: [str(self)]  # the message alone, no pip trace
+            raise InstallFailed({install_failed_message()!r}.format(what="pip install " + args[-1], why=why))
+    importlib.invalidate_caches()
 import minipaged, minipaged.colab
 print("minipaged", minipaged.__version__, "ready;", minipaged.colab.machine_route())'''
 

@@ -5,8 +5,8 @@
     python scripts/stamp_colab.py PATH...    # only these notebooks or folders
 
 Idempotent, and it touches nothing but that one cell: if the first code cell carries
-``minipaged.colab.CELL_MARKER`` its source is replaced (outputs kept only if the source was
-already right), otherwise a new cell is put before the first code cell. A notebook whose cell is
+``minipaged.colab.CELL_MARKER`` its source is replaced (its outputs kept only if they are the
+one "minipaged ... ready" line a cell that had nothing to install prints), otherwise a new cell is put before the first code cell. A notebook whose cell is
 already right is not rewritten at all. Files are written the way nbformat writes them.
 """
 from __future__ import annotations
@@ -34,6 +34,14 @@ def _lines(text: str) -> list[str]:
     return text.splitlines(keepends=True)  # nbformat's on-disk form: a list of lines
 
 
+def _only_the_ready_line(outputs: list) -> bool:
+    """Outputs an install cell that did not need to install prints, whatever its source: one
+    "minipaged <version> ready; ..." line (the version is the one the notebook was run with)."""
+    texts = ["".join(o.get("text", "")) for o in outputs]
+    return (len(outputs) == 1 and outputs[0].get("output_type") == "stream"
+            and outputs[0].get("name") == "stdout" and texts[0].startswith("minipaged ") and " ready;" in texts[0])
+
+
 def stamp(nb: dict) -> bool:
     """Make the first code cell of ``nb`` (a notebook as JSON) the install cell; True if changed."""
     want = install_cell_source()
@@ -44,8 +52,9 @@ def stamp(nb: dict) -> bool:
     if first is not None and CELL_MARKER in _source(cells[first]):
         cell = cells[first]
         cell["source"] = _lines(want)
-        cell["outputs"] = []  # they came from another source
-        cell["execution_count"] = None
+        if not _only_the_ready_line(cell.get("outputs", [])):
+            cell["outputs"] = []  # they came from another source
+            cell["execution_count"] = None
         return True
     cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": _lines(want)}
     if (nb.get("nbformat", 4), nb.get("nbformat_minor", 0)) >= (4, 5):

@@ -31,6 +31,7 @@ def test_cell_does_nothing_outside_colab(monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a))
     monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    monkeypatch.delenv("MINIPAGED_WHEEL", raising=False)
     exec(compile(install_cell_source(), "<install cell>", "exec"), {"__name__": "__main__"})
     assert calls == [], "outside Colab the install cell must not run pip"
     assert "ready" in capsys.readouterr().out
@@ -45,6 +46,49 @@ def test_cell_skips_the_install_when_minipaged_is_there(monkeypatch, tmp_path):
     assert calls == []
 
 
+def _run_cell_without_minipaged(monkeypatch, run):
+    """Run the install cell as on a runtime where minipaged is not installed yet."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "minipaged" else real(name, *a))
+    monkeypatch.setattr(subprocess, "run", run)
+    exec(compile(install_cell_source(), "<install cell>", "exec"), {"__name__": "__main__"})
+
+
+def test_the_wheel_override_replaces_the_release_without_editing_the_cell(monkeypatch, capsys):
+    calls = []
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    monkeypatch.setenv("MINIPAGED_WHEEL", "/content/minipaged-0.1.0-py3-none-any.whl")
+    _run_cell_without_minipaged(monkeypatch, lambda args, **k: calls.append(args) or subprocess.CompletedProcess(args, 0, "", ""))
+    assert [c[-1] for c in calls] == ["/content/minipaged-0.1.0-py3-none-any.whl", install_commands()[1][-1]]
+    assert "ready" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("pip_says", ["ERROR: Could not find a version that satisfies the requirement (404)",
+                                      "fatal: unable to access 'https://github.com/': Could not resolve host: github.com"])
+def test_a_release_that_cannot_be_fetched_stops_with_the_alternatives(monkeypatch, pip_says):
+    from minipaged import colab
+
+    monkeypatch.setitem(sys.modules, "google.colab", type(sys)("google.colab"))
+    monkeypatch.delenv("MINIPAGED_WHEEL", raising=False)
+    with pytest.raises(Exception) as e:
+        _run_cell_without_minipaged(monkeypatch, lambda args, **k: subprocess.CompletedProcess(args, 1, "", "Traceback...\n" + pip_says + "\n"))
+    msg = str(e.value)
+    assert type(e.value).__name__ == "InstallFailed" and e.value._render_traceback_() == [msg]
+    assert f"Could not install minipaged {colab.RELEASE}" in msg and pip_says in msg and colab.REPO_URL in msg
+    assert f"%env MINIPAGED_WHEEL=/content/{colab.wheel_name()}" in msg and "drive.mount('/content/drive')" in msg
+    assert f"%env MINIPAGED_WHEEL=/content/drive/MyDrive/{colab.wheel_name()}" in msg
+
+
+def test_a_wheel_that_is_not_there_stops_with_the_alternatives_from_real_pip(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIPAGED_WHEEL", str(tmp_path / "minipaged-0.1.0-py3-none-any.whl"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    with pytest.raises(Exception, match="Could not install minipaged") as e:
+        _run_cell_without_minipaged(monkeypatch, subprocess.run)
+    assert "does not exist" in str(e.value) or "No such file" in str(e.value), str(e.value)
+
+
 def test_colab_installs_and_opens_the_pinned_release_of_this_version():
     """Never a moving branch: the tag of this package's version, set in one place."""
     import tomllib
@@ -52,8 +96,9 @@ def test_colab_installs_and_opens_the_pinned_release_of_this_version():
     import minipaged
     from minipaged import colab
 
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    assert minipaged.__version__ == version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "minipaged.__version__"}
+    version = minipaged.__version__  # set once, there
     assert colab.RELEASE == f"v{version}"
     assert install_commands()[0][-1] == f"minipaged @ git+{colab.REPO_URL}@{colab.RELEASE}"
     assert colab.colab_badge_url("notebooks/00_setup_and_tour.ipynb").endswith(f"/blob/{colab.RELEASE}/notebooks/00_setup_and_tour.ipynb")
@@ -160,7 +205,7 @@ def test_install_cell_on_a_fake_colab(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "TRITON_INTERPRET")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
 
-    def run(args, **kw):
+    def run(args, env=env, **kw):
         r = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, **kw)
         assert r.returncode == 0, f"{' '.join(map(str, args))} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         return r.stdout
@@ -179,15 +224,12 @@ def test_install_cell_on_a_fake_colab(tmp_path):
     (fake / "google" / "colab" / "__init__.py").write_text("IN_COLAB = True\n")
 
     source = _copy_package(tmp_path / "checkout")
-    cell = install_cell_source()
-    local = cell.replace(repr(install_commands()), repr(install_commands(source=str(source))))
-    assert local != cell
     driver = tmp_path / "kernel.py"
     driver.write_text(
         f"import sys\nsys.path.insert(0, {str(fake)!r})\nimport google.colab\n"
-        f"exec(compile({local!r}, '<install cell>', 'exec'), {{'__name__': '__main__'}})\n"
+        f"exec(compile({install_cell_source()!r}, '<install cell>', 'exec'), {{'__name__': '__main__'}})\n"
     )
-    out = run([py, str(driver)], timeout=420)
+    out = run([py, str(driver)], timeout=420, env={**env, "MINIPAGED_WHEEL": str(source)})  # the override, never an edit
     assert "ready" in out
 
     after = json.loads(run([py, "-c", PROBE]).strip().splitlines()[-1])
