@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 15, in one run of at most 8 minutes, run from the repository root:
+# THE command to run when a GPU is available (issue 35). From the repository root:
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]        # default OUT_DIR: $TMPDIR/minipaged-gpu-check
 #
-#   1. python -m minipaged.bench kernels   paged decode GB/s vs copy bandwidth, SDPA and flex (JSON + table)
+# In at most 8 minutes (each step has its own limit, and a step that would end past 8 minutes
+# is skipped, saying so):
+#   1. minipaged bench kernels             paged decode GB/s vs copy bandwidth, SDPA and flex (JSON + table)
 #   2. the Triton kernel tests, bf16 included (they are skipped in the CPU interpreter)
-#   3. lesson 05 (its speed cell runs the compiled kernel on the GPU) and the solved workbook 05
-#   4. lessons 06 and 07 (their measurements and lesson 07's roofline, on the device the model is on)
-#   5. LLM() on CUDA against the CPU path: greedy tokens, fp32 and bf16
+#   3. every lesson with a GPU path (GPU_LESSONS below: 00 reports the device, 05 compiles and times
+#      the kernel, 06 and 07 measure on the device the model is on, 12 speculates there) and the
+#      solved workbook 05
+#   4. LLM() on CUDA against the CPU path: greedy tokens, fp32 and bf16
+# Then OUT_DIR/summary.json: the device, each step (ok, exit status, seconds, limit, log file),
+# the total, and the kernel figures. tests/test_gpu_check.py checks that every lesson whose code
+# takes a GPU branch is in GPU_LESSONS.
 #
-# Without a CUDA GPU it stops at once with exit status 2 and says so; nothing is measured.
-# Each step has its own time limit, so one slow step cannot eat the others' time. The exit
-# status is the number of steps that failed (0: all passed). Figures go to OUT_DIR.
+# Without a CUDA GPU it stops at once with exit status 2, says so and writes summary.json with
+# "gpu": null; nothing is measured. Otherwise the exit status is the number of steps that failed.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${1:-${TMPDIR:-/tmp}/minipaged-gpu-check}"
@@ -21,13 +26,40 @@ PY="${PYTHON:-python}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET  # the point is the compiled kernels
 
+BUDGET_S=480
+# lesson:limit in seconds (a lesson that branches on torch.cuda / HAVE_TRITON must be here: tests/test_gpu_check.py)
+GPU_LESSONS="00_setup_and_tour:30 05_triton_kernel:45 06_continuous_batching:50 07_whole_engine:70 12_speculative_decoding:50"
+STEPS="$OUT/steps.tsv"
+: > "$STEPS"
+summary() {  # summary GPU_NAME_OR_EMPTY
+    "$PY" - "$OUT" "$1" "$BUDGET_S" <<'PYEOF'
+import json, os, sys
+out, gpu, budget = sys.argv[1], sys.argv[2] or None, int(sys.argv[3])
+steps = {}
+for line in open(os.path.join(out, "steps.tsv")):
+    name, rc, seconds, limit, status = line.rstrip("\n").split("\t")
+    steps[name] = {"ok": status == "ok", "status": status, "exit": int(rc), "seconds": int(seconds), "limit": int(limit),
+                   "log": f"{name}.log"}
+kernels = os.path.join(out, "kernels.json")
+res = {"gpu": gpu, "budget_seconds": budget, "total_seconds": sum(s["seconds"] for s in steps.values()),
+       "failed": [n for n, s in steps.items() if not s["ok"]], "steps": steps,
+       "kernels": json.load(open(kernels)) if os.path.isfile(kernels) else None}
+if gpu is None:
+    res["reason"] = "no CUDA GPU visible to PyTorch (or no triton): nothing was measured"
+json.dump(res, open(os.path.join(out, "summary.json"), "w"), indent=1)
+print(f"gpu_check: summary in {os.path.join(out, 'summary.json')}")
+PYEOF
+}
+
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "gpu_check: no CUDA GPU is visible to PyTorch (torch.cuda.is_available() is False)." >&2
+    summary ""
     echo "gpu_check: run this on a machine with an NVIDIA GPU and a CUDA build of torch; nothing was measured." >&2
     exit 2
 fi
 if ! "$PY" -c "import triton" 2>/dev/null; then
     echo "gpu_check: the triton package is missing: pip install triton (it ships with CUDA builds of torch)." >&2
+    summary ""
     exit 2
 fi
 
@@ -36,25 +68,31 @@ T0=$(date +%s)
 step() {  # step NAME SECONDS COMMAND...
     local name="$1" limit="$2"; shift 2
     local t=$(date +%s)
+    if [ $(( t - T0 + limit )) -gt "$BUDGET_S" ]; then
+        echo "== $name: SKIPPED (it could end past the ${BUDGET_S}s budget)"; failed=$((failed + 1))
+        printf '%s\t%s\t%s\t%s\t%s\n' "$name" -1 0 "$limit" skipped >> "$STEPS"; return
+    fi
     echo "== $name (limit ${limit}s)"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
+    local rc=$? status=ok
     tail -n 25 "$OUT/$name.log"
     if [ $rc -eq 0 ]; then echo "== $name: ok in $(( $(date +%s) - t ))s"
-    else echo "== $name: FAILED (exit $rc$([ $rc -eq 124 ] && echo ', time limit'))"; failed=$((failed + 1)); fi
+    else status=$([ $rc -eq 124 ] && echo timeout || echo failed)
+         echo "== $name: FAILED (exit $rc$([ $rc -eq 124 ] && echo ', time limit'))"; failed=$((failed + 1)); fi
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t ))" "$limit" "$status" >> "$STEPS"
+}
+lesson() {  # lesson NAME SECONDS: execute notebooks/NAME.ipynb on the GPU, stored under OUT
+    step "lesson_$1" "$2" "$PY" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=$(( $2 - 5 )) \
+        "notebooks/$1.ipynb" --output-dir "$OUT" --output "lesson_$1_executed.ipynb"
 }
 
 "$PY" -c "import torch; p = torch.cuda.get_device_properties(0); print(f'device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}')"
-step kernels 120 "$PY" -m minipaged.bench kernels --batch 1 64 --context 512 4096 --json "$OUT/kernels.json"
-step kernel_tests 80 "$PY" -m pytest -q -x tests/test_triton_attention.py
-step lesson05 45 "$PY" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=40 \
-    notebooks/05_triton_kernel.ipynb --output-dir "$OUT" --output lesson05_executed.ipynb
-step workbook05 40 "$PY" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=35 \
+GPU_NAME=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))")
+step kernels 90 "$PY" -m minipaged.bench kernels --batch 1 64 --context 512 4096 --json "$OUT/kernels.json"
+step kernel_tests 60 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_triton_attention.py
+for spec in $GPU_LESSONS; do lesson "${spec%%:*}" "${spec##*:}"; done
+step workbook05 30 "$PY" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=25 \
     solutions/05_triton_decode_kernel.ipynb --output-dir "$OUT" --output workbook05_executed.ipynb
-step lesson06 60 "$PY" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=55 \
-    notebooks/06_continuous_batching.ipynb --output-dir "$OUT" --output lesson06_executed.ipynb
-step lesson07 90 "$PY" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=85 \
-    notebooks/07_whole_engine.ipynb --output-dir "$OUT" --output lesson07_executed.ipynb
 step llm_cuda 45 "$PY" - "$OUT/llm_cuda.json" <<'EOF'
 """LLM() on CUDA (Triton attention) against the CPU path (PyTorch attention), greedy."""
 import json, sys, time
@@ -85,4 +123,5 @@ for dtype, need in ((torch.float32, 16), (torch.bfloat16, 4)):
 json.dump(res, open(sys.argv[1], "w"), indent=1)
 EOF
 echo "gpu_check: $failed step(s) failed, $(( $(date +%s) - T0 ))s in all; figures and logs in $OUT/"
+summary "$GPU_NAME"
 exit $failed
