@@ -139,7 +139,7 @@ def missing_figures(stored: dict, executed_cells: list) -> list[str]:
         want = sum(1 for o in cell.get("outputs", []) for k in o.get("data", {}) if k in FIGURES)
         have = sum(1 for kinds in got if isinstance(kinds, list) for k in kinds if k in FIGURES)
         if have < want:
-            out.append(f"code cell {i}: {want} figure(s) stored, {have} produced ({''.join(cell['source'])[:80]!r})")
+            out.append(f"code cell {i}: {want} figure(s) stored, {have} produced ({''.join(cell['source'])[:120]!r})")
     return out
 
 
