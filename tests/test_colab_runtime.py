@@ -74,6 +74,10 @@ def release(tmp_path_factory) -> dict:
     assert dry.returncode != 0 and "run `make test` first" in dry.stderr, "a release without passed tests must be refused"
     (clone / "build").mkdir(exist_ok=True)
     (clone / "build" / "tests-passed").write_text(_sh(["git", "rev-parse", "HEAD"], cwd=clone))  # as `make test` does
+    (clone / "stray.txt").write_text("uncommitted")
+    dirty = subprocess.run(["make", "-s", "release", f"PY={sys.executable}"], cwd=clone, env=env, capture_output=True, text=True)
+    assert dirty.returncode != 0 and "the tree is not clean" in dirty.stderr and "stray.txt" in dirty.stderr, dirty.stderr
+    (clone / "stray.txt").unlink()
     out = _sh(["make", "-s", "release", f"PY={sys.executable}"], cwd=clone, env=env, timeout=600)
     from minipaged import __version__
     from minipaged.colab import RELEASE
