@@ -81,6 +81,7 @@ def test_a_release_that_cannot_be_fetched_stops_with_the_alternatives(monkeypatc
     assert f"%env MINIPAGED_WHEEL=/content/drive/MyDrive/{colab.wheel_name()}" in msg
 
 
+@pytest.mark.slow  # runs pip
 def test_a_wheel_that_is_not_there_stops_with_the_alternatives_from_real_pip(monkeypatch, tmp_path):
     monkeypatch.setenv("MINIPAGED_WHEEL", str(tmp_path / "minipaged-0.1.0-py3-none-any.whl"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
