@@ -431,6 +431,8 @@ class Guard:
                 if module is not None and code.co_name != "<module>":  # importing a module is not calling it
                     label = self._names[code] = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
         kind = "watched"
+        if label is not None and not in_package(code):
+            kind = "copy"  # code objects compare equal whatever their file: minipaged's own, compiled again
         if label is None:
             verdict = self._verdict_of(code)
             if not verdict:
