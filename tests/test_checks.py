@@ -595,3 +595,32 @@ def test_every_watched_workbook_plants_each_way_around_the_watch() -> None:
             if f"{stem}/{plant}" not in WATCH_PLANTS_NOT_APPLICABLE and not (WRONG / stem / f"{plant}.py").is_file():
                 missing.append(f"tests/wrong_answers/{stem}/{plant}.py")
     assert not missing, "missing: " + ", ".join(missing)
+
+
+def test_work_handed_to_a_pool_started_before_the_check_is_refused() -> None:
+    """A pool of the learner's whose threads started before the check, idle (nothing of the learner's on their
+    stack), handed the reference's work during the check: refused. A pool started inside the learner's call is
+    watched from its start, and passes."""
+    import concurrent.futures
+
+    from minipaged.checks import block_allocator
+
+    good = _solution("02_block_allocator")["MyBlockAllocator"]
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    pool.submit(lambda: None).result()  # its thread runs now, idle
+
+    class HandsOver(good):
+        def allocate(self):
+            return pool.submit(super().allocate).result()
+
+    class OwnPool(good):
+        def allocate(self):
+            with concurrent.futures.ThreadPoolExecutor(2) as mine:
+                return list(mine.map(lambda _: super(OwnPool, self).allocate(), [0]))[0]
+
+    try:
+        with pytest.raises(CheckFailed, match="handed work to a ThreadPoolExecutor"):
+            block_allocator.check_allocate_free(HandsOver)
+    finally:
+        pool.shutdown()
+    block_allocator.check_allocate_free(OwnPool)

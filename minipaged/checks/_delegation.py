@@ -343,7 +343,22 @@ _LIBRARY_ROOTS = tuple({os.path.abspath(p) + os.sep for p in (sys.prefix, sys.ba
 # code made by the interpreter or a library rather than written in a file: <frozen importlib._bootstrap>, <string>
 # (a dataclass's or namedtuple's generated methods), torch.fx's and dynamo's generated forwards
 _GENERATED = ("<frozen", "<string>", "<eval_with_key", "<torch", "<dynamo", "<__array_function__")
-_POOL_WORKERS = ("_worker", "worker")  # concurrent.futures' and multiprocessing.pool's: they run whatever is handed them
+
+
+def _pool_submit_codes() -> frozenset:
+    """The methods that hand work to a pool's threads (which run whatever they are handed)."""
+    import concurrent.futures.thread as cft
+    import multiprocessing.pool as mpp
+
+    out = {cft.ThreadPoolExecutor.submit.__code__}
+    for name in ("apply_async", "map_async", "imap", "imap_unordered", "starmap_async", "_map_async"):
+        fn = getattr(mpp.Pool, name, None)
+        if fn is not None and hasattr(fn, "__code__"):
+            out.add(fn.__code__)
+    return frozenset(out)
+
+
+_POOL_SUBMIT = _pool_submit_codes()
 
 
 def _kind_of_file(filename: str) -> str:
@@ -358,6 +373,15 @@ def _kind_of_file(filename: str) -> str:
     if path.startswith(_LIBRARY_ROOTS):
         return "library"
     return "learner"
+
+
+def _first_caller(frame):
+    """The first frame below ``frame`` that is not a library's (torch's decorators, a dataclass's __init__,
+    Executor.map): whose code made the call."""
+    caller = frame.f_back
+    while caller is not None and _kind_of_file(caller.f_code.co_filename) == "library":
+        caller = caller.f_back
+    return caller
 
 
 class Guard:
@@ -385,6 +409,7 @@ class Guard:
         self._hook_fn = self._hook  # one bound method, so that sys.getprofile() can be compared with it
         self._thread_hook_fn = self._thread_hook
         self._watched_threads: set = set()  # threads started while watched: the hook sees their calls
+        self._alive_before: frozenset = frozenset()  # the threads alive when the current watched call began
 
     def allow(self, obj: Any) -> Any:
         self.allowed.append(obj)
@@ -423,6 +448,14 @@ class Guard:
         if event != "call" or self.hit is not None:
             return
         code = frame.f_code
+        if code in _POOL_SUBMIT and self.strict:  # work handed to a pool started before the watch: it cannot see there
+            caller = _first_caller(frame)
+            if caller is not None and _kind_of_file(caller.f_code.co_filename) == "learner":
+                pool = self._pool_of_unwatched_threads(frame)
+                if pool:
+                    self.hit, self.hit_kind = pool, "thread"
+                    self.hit_in = f"{caller.f_code.co_name}(), line {caller.f_lineno}"
+            return
         label = self.codes.get(code)
         if label is None:
             label = self._names.get(code)
@@ -440,9 +473,7 @@ class Guard:
             if verdict == "package":
                 if not self.strict:
                     return
-                caller = frame.f_back  # the first caller that is not a library's (torch's decorators, a dataclass's __init__)
-                while caller is not None and _kind_of_file(caller.f_code.co_filename) == "library":
-                    caller = caller.f_back
+                caller = _first_caller(frame)
                 if caller is not None and in_package(caller.f_code):
                     return  # the package calling itself (an allowed function's helpers, the engine serving in 07)
                 kind = "unlisted"
@@ -477,19 +508,28 @@ class Guard:
             if name.startswith("minipaged-check-"):
                 continue  # a check's own time-limit worker
             f, where = frame, ""
-            while f is not None:
-                k = _kind_of_file(f.f_code.co_filename)
-                if k == "learner" or (k == "package" and not f.f_code.co_filename.endswith(("harness.py", "_core.py"))):
-                    where = f"{f.f_code.co_name}() ({'your code' if k == 'learner' else 'minipaged'}, line {f.f_lineno})"
+            while f is not None:  # the learner's code, or minipaged's reference, anywhere on its stack
+                code = f.f_code
+                if _kind_of_file(code.co_filename) == "learner":
+                    where = f"{code.co_name}() (your code, line {f.f_lineno})"
+                elif code in self.codes or os.path.abspath(code.co_filename) in self.files:
+                    where = f"{code.co_name}() (minipaged's reference, line {f.f_lineno})"
                 f = f.f_back
             target = getattr(t, "_target", None)
             tcode = getattr(getattr(target, "func", target), "__code__", None)
-            if not where and tcode is not None and (
-                    _kind_of_file(tcode.co_filename) != "library" or tcode.co_name in _POOL_WORKERS):
-                where = f"{tcode.co_name}() (waiting for work)"
+            if not where and tcode is not None and _kind_of_file(tcode.co_filename) == "learner":
+                where = f"{tcode.co_name}() (your code)"
             if where:
                 return f"{name!r}, in {where}"
         return ""
+
+    def _pool_of_unwatched_threads(self, frame) -> str:
+        """When the learner's code hands work to a thread pool whose threads were started before the watch: which."""
+        pool = frame.f_locals.get("self")
+        threads = getattr(pool, "_threads", None) or getattr(pool, "_pool", None) or ()
+        idents = [getattr(t, "ident", None) for t in list(threads)]
+        unwatched = [i for i in idents if i is not None and i not in self._watched_threads and i in self._alive_before]
+        return f"a {type(pool).__name__} whose {len(unwatched)} thread(s) started before the check" if unwatched else ""
 
     @contextmanager
     def watching(self, what: str) -> Iterator[None]:
@@ -506,6 +546,7 @@ class Guard:
                     "thread (let it finish, or join it), or restart the kernel and run your cells again, then run this check.")
         if self.max_calls is not None:
             self.max_calls -= 1
+        self._alive_before = frozenset(threading._active)  # a thread started after this is watched from its start
         previous = sys.getprofile()
         previous_threads = threading.getprofile() if hasattr(threading, "getprofile") else getattr(threading, "_profile_hook", None)
         sys.setprofile(self._hook_fn)
@@ -527,6 +568,13 @@ class Guard:
                 self.hit, self.hit_why = None, ""
                 raise CheckFailed(f"{self.workbook_name}: {what} called {hit}" + (f" (from {where})" if where else "")
                                   + f": {why}")
+            if self.hit is not None and self.hit_kind == "thread":
+                hit, where = self.hit, self.hit_in
+                self.hit = None
+                raise CheckFailed(
+                    f"{self.workbook_name}: {what} handed work to {hit} (from {where}). The check watches your code "
+                    "for calls into minipaged's own implementation, and it cannot see into a thread started before it. "
+                    "Do the work in your own call, or start the pool inside it, then run this check again.")
             if self.hit is not None and self.hit_kind == "copy":
                 hit, where = self.hit, self.hit_in
                 self.hit = None
