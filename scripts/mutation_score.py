@@ -18,6 +18,12 @@ solutions/NN_*.ipynb) is mutated one change at a time by a small AST mutator:
     swap-args   two neighbouring positional arguments of a call swapped
     drop-kwarg  a keyword argument of a call dropped
 
+and, for the delegation watch (issue 40), one mutant of each way around it:
+
+    unlisted    a function of the block first calls package code no workbook hands over (a check's helper)
+    thread      the cell starts a thread of the learner's that is still running when the checks call the answer
+    recompiled  the answer is minipaged's own reference, its module's source compiled again under another file name
+
 Each mutant is graded as the grader grades a submission (minipaged.checks.canonical.build_plan: the
 mutated workbook's answer cells, then the exercise's own check cells, in order), without bubblewrap:
 a forked child of a process that imported torch and the checks once, in its own temporary folder,
@@ -217,12 +223,70 @@ def mutants(stem: str) -> list[Mutant]:
             line = node.lineno
             found.append(Mutant(f"{stem[:2]}:{c}:{line}:{node.col_offset}:{op}:{detail}", c, line,
                                 src_lines[line - 1].strip(), after, new_src))
+    found += watch_mutants(stem, nb)
     seen, unique = set(), []
     for m in found:  # two operators can give the same program (drop of `return x` and `return` before it)
         if (m.cell, m.source) not in seen:
             seen.add((m.cell, m.source))
             unique.append(m)
     return unique
+
+
+# -- the watch's families: ways around the delegation watch -------------------------------------------
+# The answer to replace by minipaged's own reference, compiled again: workbook -> (answer's name, module, attribute).
+# 01's reference is one-line formulas (shorter than what the watch matches); 07 runs 02-06's parts.
+RECOMPILE = {"02": ("MyBlockAllocator", "minipaged.block_allocator", "BlockAllocator"),
+             "03": ("MyBlockTable", "minipaged.block_table", "BlockTable"),
+             "04": ("gather_kv", "minipaged.attention.reference", "gather_kv"),
+             "05": ("paged_decode", "minipaged.attention.triton_paged", "paged_decode"),
+             "06": ("MyScheduler", "minipaged.scheduler", "Scheduler"),
+             "08": ("copy_on_write", "minipaged.prefix_cache", "copy_on_write"),
+             "09": ("propose_ngram", "minipaged.spec_decode", "propose_ngram")}
+UNLISTED_CALL = "__import__('minipaged.checks._core', fromlist=['plain']).plain(0)"
+THREAD_START = ("__import__('threading').Thread(target=lambda: __import__('time').sleep(3600), daemon=True, "
+                "name='my-worker').start()")
+RECOMPILE_SRC = ("import importlib as _il, inspect as _ins, sys as _sys, tempfile as _tf, types as _ty\n"
+                 "_m = _il.import_module({module!r})\n"
+                 "_p = _tf.mkdtemp() + '/my_copy.py'\n"
+                 "open(_p, 'w').write(_ins.getsource(_m))\n"
+                 "_c = _ty.ModuleType('my_copy')\n"
+                 "_c.__package__, _c.__file__ = _m.__package__, _p\n"
+                 "_sys.modules['my_copy'] = _c\n"
+                 "exec(compile(open(_p).read(), _p, 'exec'), _c.__dict__)\n"
+                 "{name} = _c.{attr}\n")
+
+
+def watch_mutants(stem: str, nb: dict) -> list[Mutant]:
+    """The watch's families: for every function of a solution block, `unlisted` (its body first calls a check's
+    helper); for every solution cell, `thread` (a thread of the learner's left running); for the workbook,
+    `recompiled` (the answer replaced by the reference's own code from another file)."""
+    out: list[Mutant] = []
+    last_cell = None
+    for c, cell in enumerate(nb["cells"]):
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if cell["cell_type"] != "code" or BEGIN not in src:
+            continue
+        lines = solution_lines(src)
+        tree = ast.parse(src)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(_inside(st, lines) for st in node.body):
+                t2 = copy.deepcopy(tree)
+                target = next(n for n in ast.walk(t2) if isinstance(n, type(node)) and n.lineno == node.lineno)
+                k = 1 if isinstance(target.body[0], ast.Expr) and isinstance(target.body[0].value, ast.Constant) else 0
+                target.body.insert(k, ast.parse(UNLISTED_CALL).body[0])
+                ast.fix_missing_locations(t2)
+                out.append(Mutant(f"{stem[:2]}:{c}:{node.lineno}:{node.col_offset}:unlisted:{node.name}", c, node.lineno,
+                                  src.split("\n")[node.lineno - 1].strip(), UNLISTED_CALL, ast.unparse(t2)))
+        out.append(Mutant(f"{stem[:2]}:{c}:0:0:thread:cell", c, 0, "", THREAD_START, src + "\n" + THREAD_START + "\n"))
+        last_cell = (c, src)
+    rec = RECOMPILE.get(stem[:2])
+    if rec is not None and last_cell is not None:
+        c, src = last_cell
+        name, module, attr = rec
+        add = RECOMPILE_SRC.format(module=module, name=name, attr=attr)
+        out.append(Mutant(f"{stem[:2]}:{c}:0:0:recompiled:{module}.{attr}", c, 0, "", f"{name} = <{module}.{attr} compiled again>",
+                          src + "\n" + add))
+    return out
 
 
 # -- running one workbook's checks ----------------------------------------------------------------

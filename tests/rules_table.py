@@ -195,6 +195,22 @@ RULES = [
 # Wrong answers that test the checks' own machinery (time limit, a renamed class), not a stated rule.
 NOT_A_RULE = {"02_block_allocator/endless_loop", "07_assemble/renamed_class"}
 
+# The watch's own wrong answers (tests/wrong_answers/_plant.py): ways around the delegation watch, planted in every
+# workbook where they apply (tests/test_checks.py::test_every_watched_workbook_plants_each_way_around_the_watch).
+# A workbook that does not take one says why here.
+WATCH_PLANTS = ("unlisted_module", "recompiled_reference", "prestarted_thread")
+WATCH_PLANTS_NOT_APPLICABLE = {
+    "01_kv_cache_math/recompiled_reference": "its reference functions are one-line formulas, shorter than any code "
+                                             "the watch matches by fingerprint: a copy of one is the formula itself",
+    "07_assemble/unlisted_module": "07 runs the parts of 02-06: their own plants are refused in their workbooks",
+    "07_assemble/recompiled_reference": "07 runs the parts of 02-06: their own plants are refused in their workbooks",
+    "07_assemble/prestarted_thread": "07 runs the parts of 02-06: their own plants are refused in their workbooks",
+}
+NOT_A_RULE |= {f"{wb}/{plant}" for wb in ("01_kv_cache_math", "02_block_allocator", "03_block_table",
+                                          "04_paged_attention_torch", "05_triton_decode_kernel", "06_scheduler",
+                                          "07_assemble", "08_prefix_caching", "09_speculative_decoding")
+               for plant in WATCH_PLANTS}
+
 
 # The rows run by tests/test_rules.py (workbook 07's need the model: tests/test_checks.py runs those).
 RUN = [r for r in RULES if not r.workbook.startswith("07_")]

@@ -108,8 +108,11 @@ def test_wrong_answer_is_rejected(path: Path, tmp_path: Path, request) -> None:
         args = (mod.build_engine, folder) if fn_name == "check_engine" else (folder,)
     else:
         args = _answer(mod)
-    with pytest.raises(CheckFailed) as info:
-        check(*args, **kwargs)
+    try:
+        with pytest.raises(CheckFailed) as info:
+            check(*args, **kwargs)
+    finally:
+        getattr(mod, "teardown", lambda: None)()  # e.g. a thread the wrong answer started
     msg = str(info.value)
     if hasattr(mod, "ERROR"):
         assert type(info.value).__name__ == mod.ERROR, msg
@@ -447,8 +450,8 @@ def test_scheduler_replay_line_rebuilds_the_failing_step(path: Path) -> None:
     import re
 
     mod = _load(path)
-    if any("minipaged's own" in e for e in mod.EXPECT):
-        pytest.skip("a delegation refusal: nothing is played, so there is no replay line")
+    if any("minipaged's own" in e for e in mod.EXPECT) or not hasattr(mod, "MyScheduler"):
+        pytest.skip("a delegation refusal or a plant of the watch's (answer()): nothing is played, so there is no replay line")
     cls = mod.MyScheduler
     check = getattr(scheduler, mod.CHECK.split(":")[1])
     with pytest.raises(CheckFailed) as info:
@@ -569,3 +572,55 @@ def test_serving_check_compares_every_step(one_thread) -> None:
     with pytest.raises(CheckFailed, match="your proposer gave another draft") as info:
         sd.check_serving(one_token, good_table)
     assert "Expected: [" in str(info.value), str(info.value)
+
+
+def test_every_watched_workbook_plants_each_way_around_the_watch() -> None:
+    """Issue 40: every workbook the delegation watch covers (WATCH) has one wrong answer per way around it
+    (tests/wrong_answers/_plant.py), or says in rules_table.WATCH_PLANTS_NOT_APPLICABLE why it takes none; and an
+    allow-list (ALLOW) of what it hands the learner."""
+    from rules_table import WATCH_PLANTS, WATCH_PLANTS_NOT_APPLICABLE
+
+    from minipaged.checks import _delegation
+    from minipaged.checks._workbooks import WORKBOOKS
+
+    importlib.import_module("minipaged.checks.spec_decode")  # it adds its own WATCH entry
+    missing = []
+    for stem in WORKBOOKS:
+        nn = stem[:2]
+        if nn not in _delegation.WATCH:
+            continue
+        if nn not in _delegation.ALLOW:
+            missing.append(f"minipaged/checks/_delegation.py: ALLOW[{nn!r}] (what workbook {nn} hands the learner)")
+        for plant in WATCH_PLANTS:
+            if f"{stem}/{plant}" not in WATCH_PLANTS_NOT_APPLICABLE and not (WRONG / stem / f"{plant}.py").is_file():
+                missing.append(f"tests/wrong_answers/{stem}/{plant}.py")
+    assert not missing, "missing: " + ", ".join(missing)
+
+
+def test_work_handed_to_a_pool_started_before_the_check_is_refused() -> None:
+    """A pool of the learner's whose threads started before the check, idle (nothing of the learner's on their
+    stack), handed the reference's work during the check: refused. A pool started inside the learner's call is
+    watched from its start, and passes."""
+    import concurrent.futures
+
+    from minipaged.checks import block_allocator
+
+    good = _solution("02_block_allocator")["MyBlockAllocator"]
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    pool.submit(lambda: None).result()  # its thread runs now, idle
+
+    class HandsOver(good):
+        def allocate(self):
+            return pool.submit(super().allocate).result()
+
+    class OwnPool(good):
+        def allocate(self):
+            with concurrent.futures.ThreadPoolExecutor(2) as mine:
+                return list(mine.map(lambda _: super(OwnPool, self).allocate(), [0]))[0]
+
+    try:
+        with pytest.raises(CheckFailed, match="handed work to a ThreadPoolExecutor"):
+            block_allocator.check_allocate_free(HandsOver)
+    finally:
+        pool.shutdown()
+    block_allocator.check_allocate_free(OwnPool)

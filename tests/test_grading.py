@@ -328,7 +328,8 @@ def _is_harness(pid: int) -> bool:
 def _wait_for_loops(proc: subprocess.Popen, out: Path, loops: int) -> dict[int, str]:
     """Once the first learner's rows are written and ``loops`` runs are in their endless loop: the grader's tree."""
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not ((out / "grades.jsonl").exists() and _rows(out / "grades.jsonl")):
+    # the file is mode 0000 while runs go on (Store.seal): its size says whether rows are there
+    while time.monotonic() < deadline and not ((out / "grades.jsonl").exists() and (out / "grades.jsonl").stat().st_size):
         assert proc.poll() is None, proc.communicate()[0]
         time.sleep(0.5)
     while time.monotonic() < deadline:
@@ -613,3 +614,130 @@ def test_the_review_reads_the_code_not_its_spelling() -> None:
     for nb in sorted((ROOT / "solutions").glob("0*.ipynb")):  # honest work is never flagged
         plan = canonical.build_plan(ROOT / "exercises" / nb.name, nb, nb.stem)
         assert grading._suspicious(plan) == [], nb.name
+
+
+# -- issue 40: without bwrap too, the grades stay unreadable and nothing a run starts outlives it ----------
+def test_the_seal_refuses_what_would_undo_it(tmp_path: Path) -> None:
+    """A run sealed as the grader seals one without bwrap: chmod (from Python and natively), a user namespace
+    and tracing fail, a mode-0000 file of the same user stays unreadable; threads, fork and torch still work."""
+    if not sys.platform.startswith("linux") or sandbox.seal_program() is None:
+        pytest.skip("the seal is a Linux seccomp filter for x86_64 and aarch64")
+    target = tmp_path / "grades.csv"
+    target.write_text("secret")
+    os.chmod(target, 0)
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import ctypes, os, sys, threading\n"
+        "t = sys.argv[1].encode()\nres = {}\n"
+        "def tryit(name, fn):\n"
+        "    try:\n        res[name] = ('ok', fn())\n    except OSError as e:\n        res[name] = ('refused', e.errno)\n"
+        "tryit('chmod', lambda: os.chmod(t, 0o644))\n"
+        "res['native chmod'] = ctypes.pythonapi.chmod(t, 0o644)\n"
+        "res['native unshare'] = ctypes.pythonapi.unshare(0x10000000)\n"
+        "res['native ptrace'] = ctypes.pythonapi.ptrace(16, os.getppid(), 0, 0)\n"  # PTRACE_ATTACH
+        "tryit('read', lambda: open(t).read())\n"
+        "th = threading.Thread(target=lambda: None); th.start(); th.join()\n"
+        "pid = os.fork()\nif pid == 0:\n    os._exit(7)\nres['fork'] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])\n"
+        "print(repr(res))\n")
+    cmd = sandbox.command(tmp_path, use_bwrap=False, hide=[], env={}, limits=sandbox.Limits(), procs=100000)
+    harness_at = cmd.index(sys.executable, 8)  # the launcher's own arguments come first
+    cmd = cmd[:harness_at] + [sys.executable, str(probe), str(target)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our own probe's repr of a dict
+    assert res["chmod"] == ("refused", 1) and res["native chmod"] == -1, res
+    assert res["native unshare"] == -1 and res["native ptrace"] == -1, res
+    assert res["read"] == ("refused", 13), res
+    assert res["fork"] == 7, res
+    assert target.stat().st_mode & 0o777 == 0
+
+
+def test_grades_are_sealed_while_runs_go_on(tmp_path: Path) -> None:
+    store = grading.Store(tmp_path / "g.csv", tmp_path / "g.jsonl", resume=False, overwrite=False)
+    store.seal()
+    store.append([grading.Row("ann", "01_kv_cache_math", "bytes per token", "pass", "", "f", "x")])
+    for p in (tmp_path / "g.csv", tmp_path / "g.jsonl"):
+        assert p.stat().st_mode & 0o777 == 0, oct(p.stat().st_mode)
+    assert not list(tmp_path.glob(".*.tmp"))
+    store.unseal()
+    assert all((tmp_path / n).stat().st_mode & 0o777 == grading.OPEN_MODE for n in ("g.csv", "g.jsonl"))
+    os.chmod(tmp_path / "g.jsonl", 0)  # a grader killed while sealed: --resume opens them again
+    again = grading.Store(tmp_path / "g.csv", tmp_path / "g.jsonl", resume=True, overwrite=False)
+    assert [r.learner for r in again.rows] == ["ann"]
+
+
+SURVIVOR = "mpg-survivor"  # the name (comm) the hostile learner gives the processes it leaves behind
+
+
+def _survivor_pids() -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if Path(f"/proc/{d}/comm").read_text().strip() == SURVIVOR and (_stat(int(d)) or ["Z"])[0] not in "ZX":
+                    out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", MODES)
+def test_grades_unreadable_and_no_process_outlives_its_run(tmp_path: Path, flags: tuple) -> None:
+    """Two hostile learners, with and without bwrap: one reads the run's grades.csv and grades.jsonl (from Python,
+    natively through ctypes.pythonapi, after a native chmod, in a user namespace) and fails loudly if it can; the
+    other leaves natively forked children behind, one in its own session (setsid), one double-forked: once the
+    grader is done, none of them runs."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux only: /proc, prctl")
+    assert not _survivor_pids(), "survivors of an earlier test"
+    pkg = _copy_package(tmp_path / "pkg")
+    cls = _small_class(tmp_path, {"a_first": "solutions"})
+    out = tmp_path / "out"
+    out.mkdir()
+    files = [str(out / "grades.csv"), str(out / "grades.jsonl")]
+    read = (
+        "import ctypes, os\napi = ctypes.pythonapi\nleaks, how = [], []\n"
+        f"for p in {files!r}:\n"
+        "    try:\n        leaks.append(('open', p, open(p).read()[:40]))\n    except OSError as e:\n        how.append(type(e).__name__)\n"
+        "    fd = api.open(p.encode(), 0)\n"
+        "    if fd >= 0:\n        leaks.append(('native open', p))\n"
+        "    if api.chmod(p.encode(), 0o644) == 0:\n        leaks.append(('native chmod', p))\n"
+        "if api.unshare(0x10000000) == 0:\n"  # root in a user namespace of its own: CAP_DAC_OVERRIDE over its files
+        f"    for p in {files!r}:\n"
+        "        try:\n            leaks.append(('user namespace', p, open(p).read()[:40]))\n"
+        "        except OSError as e:\n            how.append(type(e).__name__)\n"
+        "if leaks:\n    raise RuntimeError(f'LEAKED {leaks}')\n"
+        "raise RuntimeError(f'SEALED {how}')\n")
+    nb = nbformat.read(ROOT / "exercises" / "01_kv_cache_math.ipynb", as_version=4)
+    make_class._insert_after_answer(nb, read)
+    (cls / "b_read_grades").mkdir()
+    nbformat.write(nb, cls / "b_read_grades" / "01_kv_cache_math.ipynb")
+    fork = (
+        "import ctypes, os, time\napi = ctypes.pythonapi\n"
+        "def survive():\n"
+        f"    api.prctl(15, {SURVIVOR.encode()!r}, 0, 0, 0)\n"  # PR_SET_NAME
+        "    time.sleep(600)\n    os._exit(0)\n"
+        "if api.fork() == 0:\n    api.setsid()\n    survive()\n"  # a child in its own session
+        "if api.fork() == 0:\n    api.setsid()\n"  # a double fork: the grandchild's parent dies at once
+        "    if api.fork() == 0:\n        survive()\n    os._exit(0)\n"
+        "time.sleep(1)\n")
+    nb = nbformat.read(ROOT / "exercises" / "01_kv_cache_math.ipynb", as_version=4)
+    make_class._insert_after_answer(nb, fork)
+    (cls / "c_fork_survivors").mkdir()
+    nbformat.write(nb, cls / "c_fork_survivors" / "01_kv_cache_math.ipynb")
+    try:
+        rc, output = _grade(pkg, out, str(cls), "--jobs", "1", "--timeout", "300", *flags)
+        left = _survivor_pids()
+    finally:
+        for pid in _survivor_pids():
+            os.kill(pid, signal.SIGKILL)
+    rows = _rows(out / "grades.jsonl")
+    assert {r["learner"] for r in rows} == {"a_first", "b_read_grades", "c_fork_survivors"}, output[-3000:]
+    mine = [r for r in rows if r["learner"] == "b_read_grades" and "your code" in r["check"]]
+    assert mine and "SEALED" in mine[0]["message"], (mine, output[-3000:])
+    assert not any("LEAKED" in r["message"] for r in rows), rows
+    assert not [r for r in rows if r["learner"] != "a_first" and r["result"] == "pass"], rows
+    assert not left, f"processes a run started outlived the grader: {left}"
+    for p in files:  # readable again once the runs are over
+        assert os.stat(p).st_mode & 0o777 == grading.OPEN_MODE

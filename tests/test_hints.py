@@ -87,3 +87,116 @@ def test_a_named_mistake_beats_the_case_focus() -> None:
     got = pa.variant_attention(case, masked_to=0.0)
     hint = _hint(name, got)
     assert "instead of -inf" in hint and case.focus not in hint, hint
+
+
+# -- issue 40: hints name the cause, or list the rules that could explain what differs ---------------------
+def _solved(stem: str) -> dict:
+    import contextlib
+    import io
+    from pathlib import Path
+
+    from minipaged.checks._workbooks import run_workbook_cells
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return run_workbook_cells(Path(__file__).resolve().parent.parent / "solutions" / f"{stem}.ipynb")
+
+
+def test_a_block_back_in_the_free_list_too_early_is_not_told_about_the_empty_free_list() -> None:
+    """02: free() of a shared block puts it back on the free list (num_free_blocks counted from the ref counts, so it
+    still agrees): when the pool is full, allocate() hands it out again. The hint names that cause (a block in use
+    left in the free list), not the empty-free-list check the learner did write."""
+    from collections import deque
+
+    from minipaged import BlockAllocatorError, OutOfBlocksError
+    from minipaged.checks import block_allocator
+
+    class EarlyBack:
+        def __init__(self, num_blocks, block_size=16):
+            self.num_blocks, self.block_size = num_blocks, block_size
+            self.free_list, self.rc = deque(range(num_blocks)), [0] * num_blocks
+
+        @property
+        def num_free_blocks(self):
+            return sum(1 for c in self.rc if c == 0)
+
+        def allocate(self):
+            if not self.free_list:
+                raise OutOfBlocksError("full")
+            b = self.free_list.popleft()
+            self.rc[b] = 1
+            return b
+
+        def free(self, b):
+            if self.rc[b] == 0:
+                raise BlockAllocatorError(f"block {b} is free")
+            self.rc[b] -= 1
+            if b not in self.free_list:
+                self.free_list.append(b)  # the mistake: back on the list while another holder keeps it
+
+        def incref(self, b):
+            if self.rc[b] == 0:
+                raise BlockAllocatorError(f"block {b} is free")
+            self.rc[b] += 1
+
+        def ref_count(self, b):
+            return self.rc[b]
+
+    with pytest.raises(CheckFailed) as info:
+        block_allocator.check_sharing(EarlyBack)
+    msg = str(info.value)
+    assert "when the free list is empty" not in msg, msg
+    assert "in use" in msg and ("still held it" in msg or "handed out twice" in msg), msg
+
+
+@pytest.fixture
+def variant_allowed(monkeypatch):
+    """The planted proposers run the check's own _variant (each wrong reading, written once): handed over here."""
+    from minipaged.checks import _delegation
+
+    monkeypatch.setitem(_delegation.ALLOW, "09", _delegation.ALLOW["09"] + [("minipaged.checks.spec_decode", "_variant")])
+    _delegation.allowed.cache_clear()
+    yield
+    monkeypatch.undo()
+    _delegation.allowed.cache_clear()
+
+
+def _proposer(**flags):
+    from minipaged.checks import spec_decode
+
+    def propose_ngram(token_ids, k, min_n, max_n):
+        kw = {"min_n": min_n, "max_n": max_n, **flags}  # the reading of min_n or max_n replaces the argument
+        return spec_decode._variant(list(token_ids), k, kw.pop("min_n"), kw.pop("max_n"), **kw)
+
+    return propose_ngram
+
+
+@pytest.mark.parametrize("index", range(8), ids=lambda i: f"reading{i}")
+def test_each_wrong_reading_of_the_proposer_gets_its_own_hint(index: int, variant_allowed) -> None:
+    """09: a proposer that reads one rule wrongly gets that rule's hint; one whose wrong draft is empty (the suffix
+    matched as its own occurrence gives [] on every input) gets the list of rules that could explain it, never one guess."""
+    from minipaged.checks import spec_decode
+
+    flags, rule, hint = spec_decode._READINGS[index]
+    with pytest.raises(CheckFailed) as info:
+        spec_decode.check_proposer(_proposer(**flags), runs=40)
+    msg = str(info.value)
+    assert hint in msg, msg
+    if "The rules that could explain it" in msg:
+        assert "your draft is empty" in msg or "more than one wrong reading" in msg, msg
+
+
+def test_any_wrong_empty_draft_is_not_told_the_suffix_matches_itself(variant_allowed) -> None:
+    """09: a proposer that gives up (no draft when the n-gram is longer than 2) is not told one guess."""
+    from minipaged.checks import spec_decode
+
+    ref = _proposer()
+
+    def gives_up(token_ids, k, min_n, max_n):
+        return [] if max_n > 2 else ref(token_ids, k, min_n, max_n)
+
+    with pytest.raises(CheckFailed) as info:
+        spec_decode.check_proposer(gives_up, runs=40)
+    msg = str(info.value)
+    assert "your draft is empty" in msg, msg
+    hint = msg.split("Hint: ", 1)[1]
+    assert not hint.startswith("look for the suffix only at positions"), hint

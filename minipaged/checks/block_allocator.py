@@ -24,6 +24,7 @@ from ._core import (
     fmt_list,
     learner_call,
     not_implemented,
+    plain,
     passed,
     table,
     watching,
@@ -148,14 +149,24 @@ class _Run:
         var = f"b{len(self.names)}"
         if self.ref.num_free_blocks == 0:
             what = "a.allocate()"
-            err = self.expect_error(lambda _: self.mine.allocate(), None, (MemoryError,), what)
+            handed: list = []
+            err = self.expect_error(lambda _: handed.append(self.mine.allocate()), None, (MemoryError,), what)
             self.log.add(f"a.allocate()  # the pool is full: must raise OutOfBlocksError")
             if err is None:
+                got_b = plain(handed[0]) if handed else None
+                if isinstance(got_b, int) and 0 <= got_b < self.num_blocks:
+                    # the learner's free list was not empty: the cause is earlier, where a block in use went back to it
+                    hint = (f"every block is in use, yet your allocate() handed out block {got_b} (ref count "
+                            f"{self.ref.ref_count(got_b)}): your free list still held it. A block goes back to the free "
+                            "list only when its ref count reaches 0, and only once: look at free() (a block freed twice, "
+                            "or a shared block freed by one holder, must not go back) and at how num_free_blocks is counted.")
+                else:
+                    hint = ("when the free list is empty, raise OutOfBlocksError (from minipaged import OutOfBlocksError) "
+                            "with a message; the scheduler catches it and preempts a sequence.")
                 raise self.fail(f"{what} on a full pool did not raise.",
                                 expected=f"OutOfBlocksError: all {self.num_blocks} blocks are in use",
-                                got="it returned normally (handing out a block that is in use, or None)",
-                                hint="when the free list is empty, raise OutOfBlocksError (from minipaged import OutOfBlocksError) "
-                                     "with a message; the scheduler catches it and preempts a sequence.")
+                                got=f"it returned {got_b!r}" + (" (a block that is in use)" if isinstance(got_b, int) else ""),
+                                hint=hint)
             if not isinstance(err, MemoryError):
                 raise self.fail(f"{what} on a full pool raised the wrong exception.",
                                 expected="OutOfBlocksError (a MemoryError)",

@@ -101,7 +101,10 @@ NO_SANDBOX_PROTECTS = (
     "learner's copy (dir_fd included), folders opened outside it, new processes, signals and ctypes from "
     "learners' code; the installed package is verified before and after each learner and never loaded "
     "from bytecode; the grader ignores signals sent from a learner's run, and kills each run's process group "
-    "when it ends. NOT protected: a learner's code can READ every file you can (classmates' notebooks "
+    "when it ends, and, as the runs' subreaper, every process a run started whatever its parent or session; "
+    "grades.csv and grades.jsonl stay mode 0000 while runs go on, and a seccomp filter refuses the runs chmod, "
+    "ACLs, user namespaces and tracing (a root grader's runs keep no capability), so they cannot read them. "
+    "NOT protected: a learner's code can READ every other file you can (classmates' notebooks "
     "included), use the network, and native code (a compiled extension) gets past the audit hook. "
     "Install bubblewrap for a class you do not trust.")
 
@@ -437,6 +440,7 @@ class Store:
     def __init__(self, csv_path: Path | None, jsonl_path: Path | None, *, resume: bool, overwrite: bool) -> None:
         self.csv_path, self.jsonl_path = csv_path, jsonl_path
         self.rows: list[Row] = []
+        self.sealed = False
         for p in (csv_path, jsonl_path):
             if p is None:
                 continue
@@ -446,6 +450,8 @@ class Store:
                 raise GradingError(f"{p} exists and is not a file. Give a file path.")
             if not p.parent.is_dir():
                 raise GradingError(f"the folder of {p} does not exist: create it, or give another path")
+            if p.exists() and p.stat().st_mode & 0o777 == 0 and p.stat().st_uid == os.geteuid():
+                os.chmod(p, OPEN_MODE)  # sealed by an earlier grader that was killed before it could open them
         if resume:
             if jsonl_path is None or not jsonl_path.exists():
                 raise GradingError(f"--resume continues from {jsonl_path}, which does not exist: run without --resume first")
@@ -472,6 +478,20 @@ class Store:
         self.rows.extend(rows)
         self.flush()
 
+    def seal(self) -> None:
+        """While runs go on, the files exist with mode 0000: no run can read them (a run without bwrap is the
+        grader's own user, but sandbox.seal_program refuses it chmod, ACLs and user namespaces, and a root grader's
+        runs hold no capability). Written now, so that they exist from the start."""
+        self.sealed = True
+        self.flush()
+
+    def unseal(self) -> None:
+        """The files get their usual mode (0600) back: the runs are over."""
+        self.sealed = False
+        for p in (self.csv_path, self.jsonl_path):
+            if p is not None and p.is_file() and not p.is_symlink():
+                os.chmod(p, OPEN_MODE)
+
     def flush(self) -> None:
         if self.csv_path is not None:
             buf = io.StringIO()
@@ -479,16 +499,30 @@ class Store:
             w.writerow(FIELDS)
             for r in self.rows:
                 w.writerow([_escape_formula(getattr(r, k)) for k in FIELDS])
-            _atomic_write(self.csv_path, buf.getvalue())
+            _atomic_write(self.csv_path, buf.getvalue(), SEALED_MODE if self.sealed else OPEN_MODE)
         if self.jsonl_path is not None:
-            _atomic_write(self.jsonl_path, "".join(json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in self.rows))
+            _atomic_write(self.jsonl_path, "".join(json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in self.rows),
+                          SEALED_MODE if self.sealed else OPEN_MODE)
 
 
-def _atomic_write(path: Path, text: str) -> None:
+OPEN_MODE, SEALED_MODE = 0o600, 0o000
+
+
+def _atomic_write(path: Path, text: str, mode: int = OPEN_MODE) -> None:
+    """Write ``text`` to a new file beside ``path`` created with ``mode`` (never readable by anyone else, not
+    for an instant), then rename it over ``path``."""
     if path.is_symlink():
         raise GradingError(f"{path} became a symbolic link while grading; the grader never writes through one. "
                            "Nothing was written to it; the rows so far are in the other results file.")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+            break
+        except FileExistsError:
+            continue
+    else:  # pragma: no cover
+        raise GradingError(f"could not create a temporary file beside {path}")
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
@@ -650,6 +684,17 @@ def _run(args: argparse.Namespace, p: argparse.ArgumentParser, signals: "_Signal
     except GradingError as e:
         print(f"minipaged grade: error: {e}", file=sys.stderr)
         return 2
+    adopting = sandbox.adopt_orphans()  # every process a run starts is the grader's to kill, whoever its parent was
+    try:
+        return _grade_class(args, signals, exercises, store, csv_path, jsonl_path)
+    finally:
+        sandbox.stop_adopting(adopting)
+        if store.sealed:
+            store.unseal()
+
+
+def _grade_class(args: argparse.Namespace, signals: "_Signals", exercises: Path, store: "Store", csv_path: Path,
+                 jsonl_path: Path) -> int:
     subs, file_rows = discover(args.paths)
     by_folder = any(Path(x).is_dir() for x in args.paths)
     if not subs and not file_rows:
@@ -692,6 +737,7 @@ def _run(args: argparse.Namespace, p: argparse.ArgumentParser, signals: "_Signal
     if use_bwrap and hasattr(os, "geteuid") and os.geteuid() == 0 and not sandbox.drops_root(True):
         print(f"warning: learner code runs as root inside the sandbox ({sandbox.why_root()}); install setpriv "
               "(util-linux) and a Python that every user can read to run learners unprivileged", file=sys.stderr)
+    store.seal()  # mode 0000 until the runs are over: no run reads the grades (see Store.seal)
     package_digest = tree_digest(_PACKAGE)
     stop = threading.Event()
     progress = Progress(len(todo))

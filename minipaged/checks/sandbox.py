@@ -2,7 +2,10 @@
 machine has it, under resource limits always, killed at its wall-clock limit.
 
 Owns the command line of one run (bwrap's options, the limits, the environment) and collecting
-what comes back (the result channel, a capped log). Never decides a grade: grading.py reads the
+what comes back (the result channel, a capped log). Without bwrap a run is the grader's own user: the
+grades are then unreadable to it only because grading.Store keeps them mode 0000 while runs go on and
+:func:`seal_program` refuses the run whatever could undo that (chmod, ACLs, user namespaces, tracing);
+every process it starts dies with it because the grader is its subreaper (:func:`adopt_orphans`). Never decides a grade: grading.py reads the
 channel; the harness (harness.py) runs inside.
 """
 from __future__ import annotations
@@ -91,8 +94,93 @@ _LAUNCHER = (
     "    hard = resource.getrlimit(getattr(resource, name))[1]\n"
     "    v = v if hard == resource.RLIM_INFINITY else min(v, hard)\n"
     "    resource.setrlimit(getattr(resource, name), (v, v))\n"
-    "os.execv(sys.argv[6], sys.argv[6:])\n"
+    # argv[6]: a seccomp filter (hex) to seal the run with, or '-' (see seal_program)
+    "if sys.argv[6] != '-':\n"
+    "    import ctypes\n"
+    "    libc = ctypes.CDLL(None, use_errno=True)\n"
+    "    if os.geteuid() == 0:\n"  # root without bwrap: no capability survives the exec (none to pass 0000 files)
+    "        for cap in range(64):\n"
+    "            libc.prctl(24, cap, 0, 0, 0)\n"  # PR_CAPBSET_DROP
+    "    prog = bytes.fromhex(sys.argv[6])\n"
+    "    buf = ctypes.create_string_buffer(prog, len(prog))\n"
+    "    class F(ctypes.Structure):\n"
+    "        _fields_ = [('len', ctypes.c_ushort), ('filter', ctypes.c_void_p)]\n"
+    "    f = F(len(prog) // 8, ctypes.addressof(buf))\n"
+    "    if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(f), 0, 0):\n"  # NO_NEW_PRIVS, SECCOMP filter
+    "        sys.exit('minipaged grade: could not seal the run (seccomp): errno %d' % ctypes.get_errno())\n"
+    "os.execv(sys.argv[7], sys.argv[7:])\n"
 )
+
+
+# -- sealing a run without bwrap: what a process of the same user could otherwise undo ----------------
+# The grades are written with mode 0000 while runs go on (Store in grading.py); a process of the same user
+# could chmod them back, set an ACL, enter a user namespace (where it holds CAP_DAC_OVERRIDE over its own
+# files), or read the grader's memory. The filter makes those system calls fail with EPERM in the run and in
+# everything it starts (a filter is inherited and can never be removed); clone3 fails with ENOSYS, so that
+# libc falls back to clone, whose flags the filter can read (a new namespace is refused there too).
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_SEALED_SYSCALLS = {
+    # chmod, fchmod, fchmodat, fchmodat2, setxattr, lsetxattr, fsetxattr, setxattrat, ptrace, process_vm_readv,
+    # process_vm_writev, unshare, setns, pidfd_getfd, open_by_handle_at, name_to_handle_at
+    "x86_64": (90, 91, 268, 452, 188, 189, 190, 463, 101, 310, 311, 272, 308, 438, 304, 303),
+    "aarch64": (52, 53, 452, 5, 6, 7, 463, 117, 270, 271, 97, 268, 438, 265, 264),
+}
+_CLONE = {"x86_64": 56, "aarch64": 220}
+_CLONE3 = 435
+_NEW_NAMESPACES = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+
+
+def seal_program(machine: str | None = None) -> bytes | None:
+    """The seccomp filter (classic BPF, as bytes) that seals a run without bwrap, or None on an architecture it
+    does not know. Refused with EPERM: changing a file's mode or ACL, tracing or reading another process, new
+    namespaces; clone3 answers ENOSYS (libc then uses clone); another architecture's system calls are refused."""
+    import platform
+    import struct
+
+    machine = machine or platform.machine()
+    arch = _AUDIT_ARCH.get(machine)
+    if arch is None:
+        return None
+    ld_w_abs, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    denied = _SEALED_SYSCALLS[machine]
+    # the labels: ALLOW, EPERM, ENOSYS come last; jumps are counted from the next instruction
+    prog: list[tuple[int, int, int, int]] = []
+    prog.append((ld_w_abs, 0, 0, 4))  # seccomp_data.arch
+    body: list = [("jne_arch",), (ld_w_abs, 0, 0, 0)]  # seccomp_data.nr
+    if machine == "x86_64":
+        body.append(("jge_to", 0x40000000, "EPERM"))  # the x32 ABI
+    for nr in denied:
+        body.append(("jeq_to", nr, "EPERM"))
+    body.append(("jeq_to", _CLONE3, "ENOSYS"))
+    body.append(("jeq_next2", _CLONE[machine]))  # clone: look at its flags
+    body.append((0x06, 0, 0, allow))
+    body.append((ld_w_abs, 0, 0, 16))  # the low 32 bits of args[0], clone's flags
+    body.append(("jset_to", _NEW_NAMESPACES, "EPERM"))
+    body.append((ret, 0, 0, allow))
+    tail = {"EPERM": 0, "ENOSYS": 1}  # offsets after the body
+    n = 1 + len(body)
+    out: list[tuple[int, int, int, int]] = [prog[0]]
+    for i, ins in enumerate(body):
+        at = 1 + i  # this instruction's index
+        def to(label: str) -> int:
+            return n + tail[label] - (at + 1)
+        kind = ins[0]
+        if kind == "jne_arch":
+            out.append((jeq, 0, to("EPERM"), arch))
+        elif kind == "jge_to":
+            out.append((jge, to(ins[2]), 0, ins[1]))
+        elif kind == "jeq_to":
+            out.append((jeq, to(ins[2]), 0, ins[1]))
+        elif kind == "jeq_next2":
+            out.append((jeq, 1, 0, ins[1]))
+        elif kind == "jset_to":
+            out.append((jset, to(ins[2]), 0, ins[1]))
+        else:
+            out.append(ins)
+    out += [(ret, 0, 0, eperm), (ret, 0, 0, enosys)]
+    assert all(0 <= jt < 256 and 0 <= jf < 256 for _, jt, jf, _ in out)
+    return b"".join(struct.pack("<HBBI", c, jt, jf, k) for c, jt, jf, k in out)
 
 
 def _needed_paths() -> list[str]:
@@ -234,8 +322,12 @@ def command(workdir: Path, *, use_bwrap: bool, hide: list[str], env: dict, limit
         # never root inside: when the grader is root, setpriv makes learner code LEARNER_UID with no capability
         # (root's files, /etc/shadow included, are then out of reach)
         inner = _bwrap_args(workdir, hide, env, limits, drop) + ["--"] + (_setpriv_args() if drop else []) + python
+    seal = "-"
+    if not use_bwrap and sys.platform.startswith("linux"):
+        prog = seal_program()
+        seal = prog.hex() if prog is not None else "-"
     return [sys.executable, "-I", "-c", _LAUNCHER, str(limits.memory_bytes), str(cpu), str(limits.file_bytes),
-            str(procs), "0", *inner]
+            str(procs), "0", seal, *inner]
 
 
 def environment(workdir: str, *, use_bwrap: bool) -> dict:
@@ -257,6 +349,95 @@ def environment(workdir: str, *, use_bwrap: bool) -> dict:
 # every run's process (its session leader), running or ever started: whose signals the grader ignores
 _RUNS_NOW: set = set()
 _RUNS_EVER: set = set()
+_SPAWN_LOCK = threading.Lock()  # a run is started and registered, or orphans are swept, never both at once
+
+
+# -- the grader as the runs' subreaper: nothing a run starts outlives it -------------------------------
+_PR_SET_DUMPABLE, _PR_GET_DUMPABLE, _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 4, 3, 36, 37
+_ADOPTING = {"on": False, "before": frozenset()}
+
+
+def _prctl(option: int, value: int = 0) -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0)
+
+
+def _prctl_get(option: int) -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if option == _PR_GET_CHILD_SUBREAPER:
+        out = ctypes.c_int(0)
+        return out.value if libc.prctl(option, ctypes.byref(out), 0, 0, 0) == 0 else -1
+    return libc.prctl(option, 0, 0, 0, 0)
+
+
+def _my_children() -> set[int]:
+    me, out = os.getpid(), set()
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == me:
+                        out.add(int(d))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def adopt_orphans() -> dict:
+    """Make this process (the grader) the child subreaper of every run (``PR_SET_CHILD_SUBREAPER``): a process a
+    run starts whose parent dies (a double fork, a native fork through ctypes, a child in its own session after
+    setsid) becomes the grader's child instead of init's, and :func:`sweep_orphans` kills it when a run ends.
+    The grader is also made non-dumpable, so that a run of the same user cannot read its memory
+    (``/proc/<pid>/mem``, its descriptors). Returns what to give :func:`stop_adopting`; a no-op off Linux."""
+    if not sys.platform.startswith("linux"):
+        return {}
+    before = {"subreaper": _prctl_get(_PR_GET_CHILD_SUBREAPER), "dumpable": _prctl_get(_PR_GET_DUMPABLE)}
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    _prctl(_PR_SET_DUMPABLE, 0)
+    _ADOPTING.update(on=True, before=frozenset(_my_children()))
+    return before
+
+
+def stop_adopting(before: dict) -> None:
+    """Kill what is left (:func:`sweep_orphans`), then give back the subreaper and dumpable settings."""
+    if not before:
+        return
+    sweep_orphans()
+    _ADOPTING.update(on=False, before=frozenset())
+    if before.get("subreaper", -1) == 0:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+    if before.get("dumpable", -1) in (1, 2):
+        _prctl(_PR_SET_DUMPABLE, before["dumpable"])
+
+
+def sweep_orphans() -> list[int]:
+    """SIGKILL and reap every process the grader adopted: its children that it did not start as a run and that
+    were not its children before grading began. A run's orphan is killed when the next run ends (its own or one
+    beside it): honest code leaves none. Returns the pids killed."""
+    if not _ADOPTING["on"]:
+        return []
+    killed: list[int] = []
+    with _SPAWN_LOCK:
+        for _ in range(50):  # an orphan's own children are adopted in turn when it dies
+            orphans = _my_children() - _RUNS_NOW - _ADOPTING["before"]
+            if not orphans:
+                break
+            for pid in orphans:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                killed.append(pid)
+            for pid in orphans:
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
+    return killed
 
 
 def sent_by_a_run(pid: int) -> bool:
@@ -313,13 +494,14 @@ def run(job: bytes, workdir: Path, *, use_bwrap: bool, limits: Limits, hide: lis
     t0 = time.monotonic()
     log_r, log_w = os.pipe()
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log_w, stderr=log_w, pass_fds=(wfd,),
-                                cwd=str(workdir), env=env, start_new_session=True, close_fds=True)
+        with _SPAWN_LOCK:  # registered before any sweep can see it
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log_w, stderr=log_w, pass_fds=(wfd,),
+                                    cwd=str(workdir), env=env, start_new_session=True, close_fds=True)
+            _RUNS_NOW.add(proc.pid)
+            _RUNS_EVER.add(proc.pid)
     finally:
         os.close(wfd)
         os.close(log_w)
-    _RUNS_NOW.add(proc.pid)
-    _RUNS_EVER.add(proc.pid)
     lines_raw: list[bytes] = []
     output: list[bytes] = []
     readers = [threading.Thread(target=_drain, args=(rfd, limits.result_bytes, lines_raw), daemon=True),
@@ -356,8 +538,10 @@ def run(job: bytes, workdir: Path, *, use_bwrap: bool, limits: Limits, hide: lis
                 _end_group(proc.pid)
                 proc.wait()
                 break
-    # what the run left behind in its session (a forked child) ends with it
+    # what the run left behind in its session (a forked child) ends with it, and what it left outside its
+    # session whose parent died (adopted by the grader, see adopt_orphans)
     _end_group(proc.pid, reaped=proc.returncode is not None)
+    sweep_orphans()
     for t in readers:  # the whole tree is gone: the pipes close at once (a reader is a daemon thread either way)
         t.join(timeout=2 if stopped else limits.grace_s + 5)
     if proc.poll() is None:  # a reader still blocked: something in the group kept a pipe open
@@ -469,4 +653,5 @@ def resource_summary(limits: Limits) -> str:
 
 
 
-__all__ = ["Limits", "Outcome", "SANDBOX_DIR", "SUBMITTED_DIR", "bwrap_path", "run", "resource_summary"]
+__all__ = ["Limits", "Outcome", "SANDBOX_DIR", "SUBMITTED_DIR", "adopt_orphans", "bwrap_path", "run", "resource_summary",
+           "seal_program", "stop_adopting", "sweep_orphans"]

@@ -113,12 +113,26 @@ _READINGS = [
 def _why(got: Any, toks: list, k: int, min_n: int, max_n: int) -> str:
     if isinstance(got, list) and len(got) > k:
         return next(h for f, _, h in _READINGS if f.get("whole"))
-    for flags, _rule, hint in _READINGS:
+    fits = []
+    for flags, rule, hint in _READINGS:
         kw = {"max_n": max_n, "min_n": min_n, **flags}
         alt_min, alt_max = kw.pop("min_n"), kw.pop("max_n")
         alt = _variant(toks, k, alt_min, alt_max, **kw)
         if alt == got:
-            return hint
+            fits.append((rule, hint))
+    # A hint only when the draft identifies the mistake. An empty draft never does: reading "the suffix itself" as an
+    # occurrence gives [] on every input, and so does any proposer that gives up too early.
+    if len(fits) == 1 and got != []:
+        return fits[0][1]
+    if fits:
+        head = ("your draft is empty where the reference proposes tokens: no single mistake can be named from that. "
+                if got == [] else "your draft fits more than one wrong reading, so no single cause can be named. ")
+        return head + "The rules that could explain it: " + " ".join(
+            f"({i}) {rule}: {hint}" for i, (rule, hint) in enumerate(fits, 1))
+    if got == []:
+        return ("your draft is empty where the reference proposes tokens, and no single wrong reading of the rules gives "
+                "that here. Check that you search every n from max_n down to min_n, every earlier start (overlapping "
+                "the suffix too, but not the suffix itself), and return what follows the first match found.")
     return ("find the longest n in max_n..min_n whose last-n tokens occur earlier in token_ids, take the most recent such "
             "occurrence, and return up to k tokens that followed it there.")
 

@@ -1,0 +1,20 @@
+"""The solved MyBlockAllocator, with a thread of the learner's started before the check and still running (a worker
+that could run minipaged's reference out of the watch's sight): refused, saying why."""
+CHECK = "minipaged.checks.block_allocator:check_allocate_free"
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _plant  # noqa: E402
+
+EXPECT = _plant.THREAD_EXPECT
+_WORKER = _plant.PreStarted()
+
+
+def answer():
+    _WORKER.start()
+    return (_plant.solved('02_block_allocator')['MyBlockAllocator'],)
+
+
+def teardown():
+    _WORKER.stop()

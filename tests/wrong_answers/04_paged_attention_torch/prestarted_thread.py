@@ -1,0 +1,20 @@
+"""The solved gather_kv, with a thread of the learner's started before the check and still running (a worker
+that could run minipaged's reference out of the watch's sight): refused, saying why."""
+CHECK = "minipaged.checks.paged_attention:check_gather_kv"
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _plant  # noqa: E402
+
+EXPECT = _plant.THREAD_EXPECT
+_WORKER = _plant.PreStarted()
+
+
+def answer():
+    _WORKER.start()
+    return (_plant.solved('04_paged_attention_torch')['gather_kv'],)
+
+
+def teardown():
+    _WORKER.stop()

@@ -1,0 +1,21 @@
+"""The solved paged_decode, with a thread of the learner's started before the check and still running (a worker
+that could run minipaged's reference out of the watch's sight): refused, saying why."""
+CHECK = "minipaged.checks.triton_decode:check_decode"
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _plant  # noqa: E402
+
+KWARGS = {"kernel": _plant.solved("05_triton_decode_kernel")["paged_decode_kernel"]}
+EXPECT = _plant.THREAD_EXPECT
+_WORKER = _plant.PreStarted()
+
+
+def answer():
+    _WORKER.start()
+    return (_plant.solved('05_triton_decode_kernel')['paged_decode'],)
+
+
+def teardown():
+    _WORKER.stop()

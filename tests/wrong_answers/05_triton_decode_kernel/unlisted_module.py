@@ -1,0 +1,15 @@
+"""The solved paged_decode, but it first calls a check's own helper (minipaged.checks._core.plain), package code
+the workbook does not hand over: the watch allows, it does not deny, so it is refused."""
+CHECK = "minipaged.checks.triton_decode:check_decode"
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _plant  # noqa: E402
+
+KWARGS = {"kernel": _plant.solved("05_triton_decode_kernel")["paged_decode_kernel"]}
+EXPECT = _plant.UNLISTED_EXPECT
+
+
+def answer():
+    return (_plant.with_unlisted_call(_plant.solved('05_triton_decode_kernel')['paged_decode']),)
