@@ -36,6 +36,10 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
 WORTH = 1.05  # the ledger's bar: an optimisation is kept when it is surely at least 5% faster
 ALL_REDUCE_LATENCY_S = 100e-6  # assumed: one all-reduce between processes on one machine, before its bytes
 _ORDER = itertools.count()  # ledger runs, in the order they ran
+# The learner's predictions for this machine, by name, set by each check once it has passed: the
+# measurement cells read them here (a cell that is not a check never calls the learner's code, so a
+# workbook with stubs fails at its check cells only).
+PREDICTIONS: dict = {}
 
 
 def _watch_list() -> list:
@@ -77,7 +81,7 @@ def _run(body: Callable, what: str, timeout: float) -> Any:
 
 
 def _show(name: str, yours: float, model: float, tolerance: float, unit: str = "") -> str:
-    apart = abs(yours - model) / abs(model) if model else (0.0 if yours == model else math.inf)
+    apart = 0.0 if yours == model else abs(yours - model) / abs(model) if model and not math.isinf(model) else math.inf
     return (f"prediction {name}: yours {_fmt(yours)}{unit}, the model's {_fmt(model)}{unit} "
             f"({apart * 100:.1f}% apart, tolerance {tolerance * 100:g}%)")
 
@@ -106,12 +110,17 @@ def _number(title: str, got: Any, desc: str) -> None:
                       hint="return a plain Python number (float(x) of a tensor or a numpy value).")
 
 
-def beside(name: str, predicted: float, measured: float, tolerance: float, unit: str = "", cause: str = "") -> bool:
+def beside(name: str, predicted: float | None, measured: float, tolerance: float, unit: str = "", cause: str = "") -> bool:
     """Print ``prediction <name>: predicted X, measured Y (Z% off, tolerance T%)``, the format of
     ``minipaged.machine.check_prediction``; beyond tolerance, a line that says where to look
-    (``cause``) instead of failing: the workbook grades the prediction, a busy machine moves the measurement."""
+    (``cause``) instead of failing: the workbook grades the prediction, a busy machine moves the measurement.
+    ``predicted`` None (its check has not passed yet): the measurement alone."""
+    if predicted is None:
+        print(f"prediction {name}: none yet (its check above has not passed), measured {_fmt(float(measured))}{unit}")
+        return False
     predicted, measured = float(predicted), float(measured)
-    off = abs(measured - predicted) / abs(measured) if measured else math.inf
+    off = 0.0 if predicted == measured else abs(measured - predicted) / abs(measured) if measured and not math.isinf(measured) \
+        else math.inf
     print(f"prediction {name}: predicted {_fmt(predicted)}{unit}, measured {_fmt(measured)}{unit} "
           f"({off * 100:.1f}% off, tolerance {tolerance * 100:g}%)")
     if off > tolerance:
@@ -167,6 +176,7 @@ def check_kv_capacity(kv_capacity: Callable, config: tuple | None = None, timeou
     _run(body, "kv_capacity(...)", timeout)
     m, budget, bs, n = cases[0]
     exp = ref_kv_capacity(m, budget, bs, n)
+    PREDICTIONS["kv_capacity"] = shown[0]
     print(_show(f"KV blocks of {budget:,} bytes ({m.name}, blocks of {bs})", shown[0][0], exp[0], 0))
     print(_show(f"sequences of {n} tokens in them", shown[0][1], exp[1], 0))
     passed(f"kv_capacity: right on {len(cases)} configs: {budget / 2**20:.1f} MiB of KV hold {exp[0]} blocks, "
@@ -174,6 +184,11 @@ def check_kv_capacity(kv_capacity: Callable, config: tuple | None = None, timeou
 
 
 # -- 2. the decode knee (lesson 07) ----------------------------------------------------------------
+def measured_knee(seconds: dict, context: int, batches: tuple) -> float:
+    """The knee of measured steps (``seconds`` by batch), read as the model's is."""
+    return ref_knee(lambda b, c: seconds[b], context, batches)
+
+
 def ref_knee(step_time: Callable, context: int = 32, batches: tuple = (1, 32, 64)) -> float:
     floor = step_time(batches[0], context)
     a, b = batches[-2], batches[-1]
@@ -191,15 +206,17 @@ def _synthetic_steps() -> list[tuple[str, Callable, int, tuple]]:
     ]
 
 
-def check_knee(predict_knee: Callable, prof: Any = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-    """``predict_knee(step_time, context, batches)``; ``prof``: this machine's profile (also checked)."""
+def check_knee(predict_knee: Callable, prof: Any = None, context: int | None = None, batches: tuple | None = None,
+               timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """``predict_knee(step_time, context, batches)``; ``prof``: this machine's profile (also checked,
+    at ``context`` and ``batches``, by default machine.KNEE_CONTEXT and KNEE_BATCHES)."""
     _refuse((predict_knee, "predict_knee"))
     cases = _synthetic_steps()
     if prof is not None:
         from .. import machine
 
         cases.append(("this machine's profile", lambda b, c: machine.predict_decode(prof, b, c),
-                      machine.KNEE_CONTEXT, machine.KNEE_BATCHES))
+                      context or machine.KNEE_CONTEXT, tuple(batches or machine.KNEE_BATCHES)))
     shown = []
 
     def body():
@@ -220,6 +237,8 @@ def check_knee(predict_knee: Callable, prof: Any = None, timeout: float = DEFAUL
             shown.append((label, got, exp))
 
     _run(body, "predict_knee(...)", timeout)
+    if prof is not None:
+        PREDICTIONS["knee"] = shown[-1][1]
     for label, got, exp in shown[-1:]:
         print(_show(f"decode knee ({label})", got, exp, 0.02, " sequences"))
     passed(f"predict_knee: within 2% of the model's knee on {len(cases)} step-time curves.")
@@ -302,8 +321,14 @@ def check_goodput(goodput: Callable, this_run: tuple | None = None, timeout: flo
 
     _run(body, "goodput(...)", timeout)
     if this_run is not None:
+        PREDICTIONS["goodput"] = shown[-1][0]
         print(_show("goodput of the simulated run", shown[-1][0], shown[-1][1], 1e-9, " req/s"))
     passed(f"goodput: right on {len(cases)} runs (a request right at a target meets it).")
+
+
+def measured_goodput(run: dict, requests: list, slo: dict, window_s: float) -> float:
+    """The goodput of a served run (the reference's rule, for the measurement beside your prediction)."""
+    return ref_goodput(*latencies(run, requests), slo, window_s)
 
 
 # -- 4. vLLM's gain over Orca on the simulated GPU (lesson 10) ---------------------------------------
@@ -344,6 +369,7 @@ def check_gain(predict_gain: Callable, workload: tuple | None = None, timeout: f
 
     _run(body, "predict_gain(...)", timeout)
     if workload is not None:
+        PREDICTIONS["gain"] = shown[-1][0]
         print(_show("vLLM's gain over Orca (Max), mean batched requests", shown[-1][0], shown[-1][1], 0.02, "x"))
     passed(f"predict_gain: within 2% of the model's gain on {len(cases)} workloads.")
 
@@ -405,8 +431,10 @@ def check_tensor_parallel(all_reduce_bytes_per_token: Callable, tp_step_time: Ca
 
     _run(body, "all_reduce_bytes_per_token(...) / tp_step_time(...)", timeout)
     if shape is not None:
+        PREDICTIONS["all_reduce_bytes_per_token"] = shown["bytes"][0]
         print(_show("all-reduce bytes per token", *shown["bytes"], 0, " B"))
     if split is not None:
+        PREDICTIONS["tp_step_time"] = shown["step"][0]
         print(_show(f"decode step at N = {split[1]}", shown["step"][0] * 1e3, shown["step"][1] * 1e3, 0.01, " ms"))
     passed(f"all_reduce_bytes_per_token and tp_step_time: right on {len(shapes)} shapes and {len(steps)} splits.")
 
@@ -444,6 +472,7 @@ def check_break_even(break_even: Callable, this_machine: tuple | None = None, ti
 
     _run(body, "break_even(...)", timeout)
     if this_machine is not None:
+        PREDICTIONS["break_even"] = shown[-1][0]
         print(_show(f"break-even acceptance (k = {this_machine[1]}, verify cost {this_machine[0]:.2f}x)",
                     shown[-1][0], shown[-1][1], 0.005 / max(shown[-1][1], 1e-9) if shown[-1][1] else 0))
     passed(f"break_even: right on {len(cases)} ratios and draft lengths (within 0.005, and 0 and inf at the ends).")
@@ -490,12 +519,19 @@ _INTERVAL_CASES = [([2.0, 2.0, 2.0], [1.0, 1.0, 1.0]), ([1.0, 1.2, 0.9], [1.0, 1
 _VERDICT_CASES = [(1.2, 1.5), (0.8, 0.9), (0.9, 1.3), (WORTH, 1.4), (0.7, WORTH), (1.06, 1.07), (1.0, 1.04)]
 
 
-def check_ledger(ledger: list, speedup_interval: Callable, verdict: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+def check_ledger(ledger: Any, speedup_interval: Callable, verdict: Callable, arms: list | None = None,
+                 timeout: float = 900) -> list:
     """``ledger``: entries ``{"optimisation", "control", "treatment", "interval", "verdict"}``, the
-    arms lists of :class:`LedgerRun`. Verifies the method, never which verdict came."""
+    arms lists of :class:`LedgerRun`; or the learner's ``measure_pair``, run here on each of ``arms``
+    (``(name, make_control, make_treatment, prompts, params)``) to make them. Verifies the method,
+    never which verdict came. Returns the ledger."""
     _refuse((speedup_interval, "speedup_interval"), (verdict, "verdict"))
+    if callable(ledger):
+        _refuse((ledger, "measure_pair"))
+    made = {"ledger": ledger}
 
     def body():
+        ledger = made["ledger"]
         for control, treatment in _INTERVAL_CASES:
             what = f"speedup_interval(control={control}, treatment={treatment})"
             got = learner_call(speedup_interval, list(control), list(treatment), what=what)
@@ -514,6 +550,8 @@ def check_ledger(ledger: list, speedup_interval: Callable, verdict: Callable, ti
                               hint=(f"'keep' when the whole interval is above {WORTH} (surely at least 5% faster), "
                                     f"'reject' when it is all below {WORTH}, 'inconclusive' when it holds {WORTH} "
                                     "(an end exactly at it included)."))
+        if callable(ledger):
+            ledger = made["ledger"] = [learner_call(ledger, *a, what=f"measure_pair({a[0]!r}, ...)") for a in arms or []]
         if not isinstance(ledger, (list, tuple)) or not ledger:
             raise failure(f"{NAME}: the ledger is empty.", expected="a list of entries", got=repr(ledger),
                           hint="append one entry a measured optimisation.")
@@ -568,14 +606,17 @@ def check_ledger(ledger: list, speedup_interval: Callable, verdict: Callable, ti
                               "for speculative decoding", got=f"{names}", hint="measure both optimisations.")
 
     _run(body, "the ledger", timeout)
+    ledger = made["ledger"]
     for e in ledger:
         c, t = [r.seconds for r in e["control"]], [r.seconds for r in e["treatment"]]
         print(f"  {e['optimisation']:<22} control {statistics.median(c):.2f} s, treatment {statistics.median(t):.2f} s "
               f"(medians of {len(c)}): speed-up {e['interval'][0]:.2f}-{e['interval'][1]:.2f} -> {e['verdict']}")
     passed(f"the ledger: {len(ledger)} entries, each against a matched control, repeated, with the verdict its own "
            "interval supports.")
+    return ledger
 
 
-__all__ = ["NAME", "T95", "WORTH", "ALL_REDUCE_LATENCY_S", "LedgerRun", "beside", "latencies", "serve_on_clock",
+__all__ = ["NAME", "T95", "WORTH", "ALL_REDUCE_LATENCY_S", "PREDICTIONS", "LedgerRun", "beside", "latencies",
+           "serve_on_clock", "measured_goodput", "measured_knee",
            "ledger_run", "check_kv_capacity", "check_knee", "check_goodput", "check_gain", "check_tensor_parallel",
            "check_break_even", "check_ledger"]
