@@ -529,6 +529,17 @@ def check_ledger(ledger: Any, speedup_interval: Callable, verdict: Callable, arm
     if callable(ledger):
         _refuse((ledger, "measure_pair"))
     made = {"ledger": ledger}
+    if callable(ledger):  # the engines measure_pair builds are minipaged's: it is timed, not watched
+        state = {"current": "measure_pair(...)"}
+
+        def measure():
+            out = []
+            for a in arms or []:
+                state["current"] = f"measure_pair({a[0]!r}, ...)"
+                out.append(learner_call(ledger, *a, what=state["current"]))
+            return out
+
+        made["ledger"] = run_with_time_limit(measure, timeout, NAME, lambda: state["current"])
 
     def body():
         ledger = made["ledger"]
@@ -550,8 +561,6 @@ def check_ledger(ledger: Any, speedup_interval: Callable, verdict: Callable, arm
                               hint=(f"'keep' when the whole interval is above {WORTH} (surely at least 5% faster), "
                                     f"'reject' when it is all below {WORTH}, 'inconclusive' when it holds {WORTH} "
                                     "(an end exactly at it included)."))
-        if callable(ledger):
-            ledger = made["ledger"] = [learner_call(ledger, *a, what=f"measure_pair({a[0]!r}, ...)") for a in arms or []]
         if not isinstance(ledger, (list, tuple)) or not ledger:
             raise failure(f"{NAME}: the ledger is empty.", expected="a list of entries", got=repr(ledger),
                           hint="append one entry a measured optimisation.")
