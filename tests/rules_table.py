@@ -25,6 +25,7 @@ SC = "minipaged.checks.scheduler"
 AS = "minipaged.checks.assemble"
 PC = "minipaged.checks.prefix_cache"
 SD = "minipaged.checks.spec_decode"
+PM = "minipaged.checks.predict"
 
 RULES = [
     # 01: KV-cache arithmetic
@@ -191,6 +192,41 @@ RULES = [
          "minipaged_own_table", "delegation"),
     Rule("09_speculative_decoding", "passed under another name", f"{SD}:check_serving", "serves_reference_proposer",
          "delegation"),
+    # 10: predict, then measure (the predictions and the decision ledger)
+    Rule("10_predict_and_measure", "one key and one value for each KV head", f"{PM}:check_kv_capacity", "forgot_k_and_v"),
+    Rule("10_predict_and_measure", "each taking whole blocks", f"{PM}:check_kv_capacity", "seqs_by_tokens", "numerical"),
+    Rule("10_predict_and_measure", "between the two largest batches", f"{PM}:check_knee", "knee_from_first_two"),
+    Rule("10_predict_and_measure", "at the `context` and `batches` it is given", f"{PM}:check_knee", "knee_fixed_context"),
+    Rule("10_predict_and_measure", "`float(\"inf\")` when that slope is 0 or less", f"{PM}:check_knee", "knee_flat_is_zero",
+         "numerical"),
+    Rule("10_predict_and_measure", "a request right at a target meets it", f"{PM}:check_goodput", "goodput_strict_bound",
+         "numerical"),
+    Rule("10_predict_and_measure", "**and** whose time per output token", f"{PM}:check_goodput", "goodput_ttft_only"),
+    Rule("10_predict_and_measure", "per second of the offered window", f"{PM}:check_goodput", "goodput_fraction"),
+    Rule("10_predict_and_measure", "its prompt plus half its output", f"{PM}:check_gain", "gain_whole_output"),
+    Rule("10_predict_and_measure", "Weighted by how long each request runs", f"{PM}:check_gain", "gain_unweighted"),
+    Rule("10_predict_and_measure", "two **all-reduces** a layer", f"{PM}:check_tensor_parallel", "one_all_reduce_a_layer"),
+    Rule("10_predict_and_measure", "a ring's `2 (n - 1) / n`", f"{PM}:check_tensor_parallel", "tp_no_ring_factor"),
+    Rule("10_predict_and_measure", "`step_s / n` of compute", f"{PM}:check_tensor_parallel", "tp_compute_not_split"),
+    Rule("10_predict_and_measure", "`float(\"inf\")` when it is at least `k + 1`", f"{PM}:check_break_even",
+         "break_even_no_inf", "numerical"),
+    Rule("10_predict_and_measure", "`1 + a + a^2 + ... + a^k` tokens", f"{PM}:check_break_even", "break_even_linear"),
+    Rule("10_predict_and_measure", "passed under another name or called from inside yours", f"{PM}:check_break_even",
+         "calls_machine_break_even", "delegation"),
+    Rule("10_predict_and_measure", "The checks refuse minipaged's own answers in your place", f"{PM}:check_knee",
+         "machine_knee_itself", "delegation"),
+    Rule("10_predict_and_measure", "`statistics.stdev`", f"{PM}:check_ledger", "interval_population_stdev", "numerical"),
+    Rule("10_predict_and_measure", "repeat `i` of each a pair", f"{PM}:check_ledger", "interval_of_means"),
+    Rule("10_predict_and_measure", "(an end exactly at it included)", f"{PM}:check_ledger", "verdict_keeps_at_the_bar",
+         "numerical"),
+    Rule("10_predict_and_measure", "surely at least 5% faster", f"{PM}:check_ledger", "verdict_against_one"),
+    Rule("10_predict_and_measure", "at least 3 repeats", f"{PM}:check_ledger", "two_repeats"),
+    Rule("10_predict_and_measure", "**the same requests with the same seeds**", f"{PM}:check_ledger", "different_requests"),
+    Rule("10_predict_and_measure", "back to back", f"{PM}:check_ledger", "arms_not_interleaved"),
+    Rule("10_predict_and_measure", "the verdict that interval supports", f"{PM}:check_ledger", "verdict_contradicts_interval"),
+    Rule("10_predict_and_measure", "the interval from its own runs' seconds", f"{PM}:check_ledger", "interval_not_from_samples"),
+    Rule("10_predict_and_measure", "two optimisations, each timed against a matched control", f"{PM}:check_ledger",
+         "one_optimisation"),
 ]
 # Wrong answers that test the checks' own machinery (time limit, a renamed class), not a stated rule.
 NOT_A_RULE = {"02_block_allocator/endless_loop", "07_assemble/renamed_class"}
@@ -208,7 +244,8 @@ WATCH_PLANTS_NOT_APPLICABLE = {
 }
 NOT_A_RULE |= {f"{wb}/{plant}" for wb in ("01_kv_cache_math", "02_block_allocator", "03_block_table",
                                           "04_paged_attention_torch", "05_triton_decode_kernel", "06_scheduler",
-                                          "07_assemble", "08_prefix_caching", "09_speculative_decoding")
+                                          "07_assemble", "08_prefix_caching", "09_speculative_decoding",
+                                          "10_predict_and_measure")
                for plant in WATCH_PLANTS}
 
 

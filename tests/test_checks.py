@@ -126,7 +126,8 @@ def test_wrong_answer_is_rejected(path: Path, tmp_path: Path, request) -> None:
 
 def test_every_workbook_has_three_wrong_answers() -> None:
     stems = ["01_kv_cache_math", "02_block_allocator", "03_block_table", "04_paged_attention_torch",
-             "05_triton_decode_kernel", "06_scheduler", "07_assemble", "08_prefix_caching", "09_speculative_decoding"]
+             "05_triton_decode_kernel", "06_scheduler", "07_assemble", "08_prefix_caching", "09_speculative_decoding",
+             "10_predict_and_measure"]
     for stem in stems:
         n = len([p for p in (WRONG / stem).glob("*.py") if not p.name.startswith("_")])
         assert n >= 3, f"tests/wrong_answers/{stem}/ has {n} wrong answers; keep at least 3"
@@ -624,3 +625,46 @@ def test_work_handed_to_a_pool_started_before_the_check_is_refused() -> None:
     finally:
         pool.shutdown()
     block_allocator.check_allocate_free(OwnPool)
+
+
+def test_workbook_10_is_found_by_its_number() -> None:
+    from minipaged.checks._workbooks import identify, learner_from_name
+
+    assert identify("alice_10_predict_and_measure.ipynb") == "10_predict_and_measure"
+    assert identify("10 (bob).ipynb") == "10_predict_and_measure"
+    assert learner_from_name("10 (bob).ipynb", None) == "bob"
+    assert identify("bob_02.ipynb") == "02_block_allocator"
+
+
+def test_workbook_10_ledger_check_runs_measure_pair_and_refuses_a_contradicting_verdict() -> None:
+    """The ledger check given the learner's measure_pair runs it on each arm (fake engines here: it
+    times generate) and verifies the method; a measure_pair whose verdict its interval contradicts fails."""
+    import contextlib
+    import io
+
+    from minipaged.checks import predict as pm
+
+    class FakeLLM:
+        def generate(self, prompts, params):
+            return [type("O", (), {"outputs": [type("C", (), {"token_ids": [1, 2]})()]})() for _ in prompts]
+
+    def measure_pair(name, make_control, make_treatment, prompts, params, repeats=3):
+        c, t = [], []
+        for _ in range(repeats):
+            c.append(pm.ledger_run("control", make_control, prompts, params))
+            t.append(pm.ledger_run("treatment", make_treatment, prompts, params))
+        iv = pm.ref_speedup_interval([r.seconds for r in c], [r.seconds for r in t])
+        return {"optimisation": name, "control": c, "treatment": t, "interval": iv, "verdict": pm.ref_verdict(*iv)}
+
+    base = _load(WRONG / "10_predict_and_measure" / "_base.py")
+    arms = [(n, FakeLLM, FakeLLM, [[1, 2, 3]], "params") for n in ("prefix caching", "speculative decoding")]
+    with contextlib.redirect_stdout(io.StringIO()):
+        ledger = pm.check_ledger(measure_pair, base.speedup_interval, base.verdict, arms=arms)
+    assert [e["optimisation"] for e in ledger] == ["prefix caching", "speculative decoding"]
+
+    def lying(*a):
+        e = measure_pair(*a)
+        return dict(e, verdict={"keep": "reject"}.get(e["verdict"], "keep"))
+
+    with pytest.raises(CheckFailed, match="contradicts its interval"):
+        pm.check_ledger(lying, base.speedup_interval, base.verdict, arms=arms)

@@ -112,9 +112,16 @@ _SOLUTION_ARGS = {
     "check_copy_on_write": ("08_prefix_caching", ["copy_on_write"]),
     "check_proposer": ("09_speculative_decoding", ["propose_ngram"]),
     "check_truncate": ("09_speculative_decoding", ["MyBlockTable"]),
+    # workbook 10's solution functions, checked on the checks' own cases (the profile's case needs the model)
+    "check_kv_capacity": ("10_predict_and_measure", ["kv_capacity"]),
+    "check_knee": ("10_predict_and_measure", ["predict_knee"]),
+    "check_goodput": ("10_predict_and_measure", ["goodput"]),
+    "check_gain": ("10_predict_and_measure", ["predict_gain"]),
+    "check_tensor_parallel": ("10_predict_and_measure", ["all_reduce_bytes_per_token", "tp_step_time"]),
+    "check_break_even": ("10_predict_and_measure", ["break_even"]),
 }
 # Checks whose solution run needs the model: the solution workbooks pass them under nbval (tests/test_workbooks.py).
-_NEEDS_MODEL = {"check_serving"}
+_NEEDS_MODEL = {"check_serving", "check_ledger"}  # check_ledger: the solution's ledger is measured (see below)
 
 
 @pytest.mark.parametrize("check", sorted({r.check for r in _RUN if r.check.split(":")[1] not in _NEEDS_MODEL}))
@@ -124,9 +131,41 @@ def test_solution_passes_the_check(check: str) -> None:
     if stem.startswith("05_"):
         pytest.importorskip("triton")
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        ns = run_workbook_cells(SOLUTIONS / f"{stem}.ipynb")
+        ns = _solution_functions(stem)
         getattr(importlib.import_module(module), fn_name)(*[ns[n] for n in names])
     assert "\u2714" in out.getvalue(), out.getvalue()
+
+
+def _solution_functions(stem: str) -> dict:
+    """The workbook's definitions. Workbook 10's code cells load the model and measure: only its
+    solution cells (pure functions) are run for the rule table."""
+    if not stem.startswith("10_"):
+        return run_workbook_cells(SOLUTIONS / f"{stem}.ipynb")
+    ns: dict = {"math": importlib.import_module("math"), "statistics": importlib.import_module("statistics"),
+                "pm": importlib.import_module("minipaged.checks.predict")}
+    for cell in nbformat.read(SOLUTIONS / f"{stem}.ipynb", as_version=4).cells:
+        if cell.cell_type == "code" and "### BEGIN SOLUTION" in cell.source:
+            exec(compile(cell.source, f"<{stem}>", "exec"), ns)
+    return ns
+
+
+def test_ledger_check_refuses_a_verdict_its_interval_contradicts() -> None:
+    """Done-when of issue 33: the ledger check refuses a verdict its own interval contradicts, and
+    accepts any verdict (keep, reject or inconclusive) that its interval supports."""
+    from minipaged.checks import predict as pm
+
+    ns = _solution_functions("10_predict_and_measure")
+    base = _load(WRONG / "10_predict_and_measure" / "_base.py")
+    for c, t, want in (([2.0, 2.1, 1.9], [1.0, 1.1, 0.9], "keep"), ([1.0, 1.1, 0.9], [2.0, 2.1, 1.9], "reject"),
+                       ([2.0, 2.2, 1.8], [1.9, 2.4, 1.5], "inconclusive")):
+        entry = base.entry("prefix caching", *base.pairs(c, t))
+        assert entry["verdict"] == want
+        other = base.entry("speculative decoding", *base.pairs(c, t, start=10))
+        with contextlib.redirect_stdout(io.StringIO()):
+            pm.check_ledger([entry, other], ns["speedup_interval"], ns["verdict"])
+        for wrong in {"keep", "reject", "inconclusive"} - {want}:
+            with pytest.raises(CheckFailed, match="contradicts its interval"):
+                pm.check_ledger([dict(entry, verdict=wrong), other], ns["speedup_interval"], ns["verdict"])
 
 
 def test_table_size() -> None:

@@ -22,10 +22,11 @@ WORKBOOKS = [
     "07_assemble",
     "08_prefix_caching",
     "09_speculative_decoding",
+    "10_predict_and_measure",
 ]
 # Workbooks whose checks load the model: a grader imports what the model load imports (torch._dynamo, which
 # rebinds torch.manual_seed) before it takes its snapshot, and the mutation script loads the model once.
-MODEL_WORKBOOKS = ("07_assemble", "09_speculative_decoding")
+MODEL_WORKBOOKS = ("07_assemble", "09_speculative_decoding", "10_predict_and_measure")
 CHECK_PREFIX = "# CHECK"
 _SEPARATORS = " _-.()[]"
 
@@ -52,7 +53,7 @@ def identify(filename: str) -> str | None:
     for stem in WORKBOOKS:
         if stem in low:
             return stem
-    m = re.search(r"(?:^|[^0-9])(0[1-9])(?:[^0-9]|$)", low)
+    m = re.search(r"(?:^|[^0-9])(0[1-9]|1[0-9])(?:[^0-9]|$)", low)
     if m:
         for stem in WORKBOOKS:
             if stem.startswith(m.group(1) + "_"):
@@ -71,7 +72,7 @@ def learner_from_name(filename: str, stem: str | None) -> str:
         i = low.index(stem)
         name = name[:i] + " " + name[i + len(stem):]
     else:
-        name = re.sub(r"(?:^|[^0-9])0[1-9](?=[^0-9]|$)", " ", name)
+        name = re.sub(r"(?:^|[^0-9])(?:0[1-9]|1[0-9])(?=[^0-9]|$)", " ", name)
     name = re.sub(r"(?i)\bcopy of\b", " ", name)
     name = re.sub(r"(?i)\bsolution(s)?\b", " ", name)
     return name.strip(_SEPARATORS).strip()
