@@ -37,8 +37,9 @@ def scratch_pass(model: nn.Module, token_ids: list[int], block_size: int, device
 class Executor:
     """Runs one engine's steps as its plan says. ``forward`` gives the hidden states of a step's
     new tokens; ``greedy_tokens`` / ``compute_logits`` the next token's inputs. ``last_route``
-    names what the last step ran: "whole_step" (the one C call), "layers" (model.forward on the
-    plan's table) or "model" (the model's own forward, plain table)."""
+    names what the last step ran: "whole_step" (every layer in the one C call), "layers" (one
+    model.forward that runs the layers one by one, each op from the plan's table: the plan's
+    ``whole_step_decode`` "off (layer by layer)") or "model" (the model's own forward, plain table)."""
 
     def __init__(self, plan: Plan, model: nn.Module, kv_cache: KVCache) -> None:
         self.plan, self.model, self.kv_cache = plan, model, kv_cache

@@ -49,7 +49,8 @@ class StepRecord:
     queried_tokens: int | None = None
     cached_blocks: int | None = None
     evictions: int | None = None
-    # what the step ran (the engine's executor): "whole_step", "layers" or "model", then "+" the
+    # what the step ran (the engine's executor): "whole_step" (all layers, one C call), "layers" (one
+    # forward, layer by layer on the plan's table) or "model" (the plain forward), then "+" the
     # next token's route, "head_argmax" or "sampler" (None: a simulated step, no model ran)
     route: str | None = None
 

@@ -367,3 +367,14 @@ def test_lessons_10_and_11_time_through_the_machine_model_and_print_predictions(
         assert tol <= 25, (name, tol)                                  # step times and counts: at most 25%
         if off > tol:
             assert re.search(rf"^prediction {re.escape(name)}:.*\nexplained miss: .+", outs, re.M), name
+
+
+def test_lesson_11_sets_its_all_reduce_bytes_beside_the_tensor_parallel_runs_counters():
+    """Lesson 11 predicts the all-reduce bytes per token from the model's shape (cell 8) and checks the
+    prediction against the counters of its own tensor-parallel run, in the one format, within tolerance."""
+    path = next((ROOT / "notebooks").glob("11_*.ipynb"))
+    code, outs = text_of(path, "code"), _outputs(path)
+    assert "machine.check_prediction(" in code
+    found = {m.group(1): (float(m.group(2)), int(m.group(3))) for m in PREDICTION.finditer(outs)}
+    off, tol = found["all-reduce bytes per token at N = 3"]
+    assert off <= tol <= 25, (off, tol)

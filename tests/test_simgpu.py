@@ -385,13 +385,13 @@ def test_the_calibration_recovers_the_constants_that_made_the_steps():
     assert not res["within_target"] and res["worst_validation_error"] == pytest.approx(0.5, rel=1e-3)
 
 
-def test_a_linear_profile_interpolates_between_measured_rows_and_extends_its_last_slope():
+def test_a_linear_profile_interpolates_between_measured_rows_and_extends_its_last_slope_never_falling():
     from minipaged.bench.gpu.cost import LinearProfile
 
     p = LinearProfile((1, 2, 8), (0.010, 0.030, 0.020), (0.001, 0.002, 0.004))
     assert p.body(1) == 0.010 and p.body(2) == 0.030 and p.body(8) == 0.020  # the measured rows, as measured
     assert p.body(5) == pytest.approx(0.025)  # halfway from 2 to 8
-    assert p.body(14) == pytest.approx(0.020 - 6 * 0.010 / 6)  # past the last row: its last slope (falling here)
+    assert p.body(14) == pytest.approx(0.020) == p.body(10_000)  # past the last row: a falling last slope stays flat
     assert p.head(16) == pytest.approx(0.004 + 8 * 0.002 / 6)
     assert p.body(0) == 0.0 and p.head(0) == 0.0
     with pytest.raises(ValueError, match="increasing"):

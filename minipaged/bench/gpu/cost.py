@@ -130,7 +130,8 @@ def _axis(what: str, values: Iterable) -> tuple:
 
 def _interp(xs: tuple, ys: tuple, x: float) -> float:
     """Piecewise-linear through ``(xs, ys)`` (xs increasing); past the last point, the last
-    segment's slope (the cost per row keeps growing as it last did); 0 at x <= 0."""
+    segment's slope (the cost per row keeps growing as it last did), or flat where that slope is
+    negative (a noisy measurement: extrapolating it would reach negative times); 0 at x <= 0."""
     if x <= 0:
         return 0.0
     if x <= xs[0]:
@@ -141,7 +142,7 @@ def _interp(xs: tuple, ys: tuple, x: float) -> float:
             return ys[i - 1] + t * (ys[i] - ys[i - 1])
     if len(xs) == 1:
         return ys[0] * x / xs[0]
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)  # a noisy last segment never prices more rows cheaper
     return ys[-1] + slope * (x - xs[-1])
 
 
