@@ -23,7 +23,8 @@ scale seen through ``expand`` (no copy), so one read serves both: ``blocks * sca
 An int8 block's scale only grows: a new token larger than ``127 * scale`` raises the scale of
 its (block, head) and the rows already there are re-rounded to it. A write at row 0 of a block
 starts the block afresh (its old scale, from an earlier owner, is dropped). Bad input never
-poisons a block: NaN is stored as 0 and +-inf clipped to the format's range (the request whose
+poisons a block: NaN is stored as 0 and +-inf clipped to the format's range (int8: fp16's, 65504;
+fp8: its largest value times the layer's scale), so every scale stays finite (the request whose
 token held them then fails on its non-finite hidden state and its blocks are scrubbed, see
 engine._fail_nonfinite), and a scale of zero, NaN or inf is refused where it is set.
 """
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+INT8_RANGE = 65504.0  # int8 pages hold what a 16-bit cache would: |x| beyond fp16's largest is clipped
 ALIASES = {"fp8": "fp8_e4m3"}
 
 
@@ -140,9 +142,9 @@ def calibration_scale(x: torch.Tensor, qmax: float) -> float:
 
 
 # -- the write: quantize -----------------------------------------------------------------------
-def _clean(x: torch.Tensor) -> torch.Tensor:
-    """fp32, NaN as 0: a NaN stored in a page would poison every read of its block."""
-    return torch.nan_to_num(x.float(), nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+def _clean(x: torch.Tensor, clip: float = float("inf")) -> torch.Tensor:
+    """fp32, NaN as 0 (a NaN stored in a page would poison every read of its block), clipped to +-clip."""
+    return torch.nan_to_num(x.float(), nan=0.0, posinf=clip, neginf=-clip).clamp(-clip, clip)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
@@ -169,7 +171,11 @@ def write(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> N
     nb, bs, h, d = cache.shape
     slots = slot_mapping.long()
     if fmt.per_block:
-        _write_per_block(cache, fmt, _clean(x), slots)
+        x = x.float()
+        finite = torch.isfinite(x)
+        # an inf sets no scale (it would zero every other value of its block): it is clipped to
+        # 127 * the block's scale; a finite value beyond fp16's range is clipped to 65504
+        _write_per_block(cache, fmt, _clean(x, INT8_RANGE), torch.where(finite, x.abs(), 0.0).clamp(max=INT8_RANGE), slots)
         return
     if cache.kv_calibrate:  # the first batch this layer sees sets its scale
         set_layer_scale(cache, calibration_scale(x, fmt.qmax))
@@ -177,15 +183,15 @@ def write(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> N
     _bits(cache).view(nb * bs, h, d).index_copy_(0, slots, q.view(torch.uint8))
 
 
-def _write_per_block(cache: torch.Tensor, fmt: KVFormat, x: torch.Tensor, slots: torch.Tensor) -> None:
+def _write_per_block(cache: torch.Tensor, fmt: KVFormat, x: torch.Tensor, mag: torch.Tensor,
+                     slots: torch.Tensor) -> None:
     nb, bs, h, d = cache.shape
     scales = cache.kv_scales  # (nb, H)
     blocks = slots // bs
     fresh = blocks[slots % bs == 0]
     if fresh.numel():
         scales.index_fill_(0, fresh, 0.0)  # row 0 written: the block starts afresh, its old scale goes
-    finite = torch.where(torch.isfinite(x), x, 0.0)  # an inf is clipped, not made the scale
-    need = finite.abs().amax(-1) / fmt.qmax  # (N, H)
+    need = mag.amax(-1) / fmt.qmax  # (N, H): from the magnitudes of the finite values
     touched = torch.unique(blocks)
     old = scales.index_select(0, touched)
     new = scales.clone().scatter_reduce_(0, blocks[:, None].expand(-1, h), need, "amax").index_select(0, touched)
