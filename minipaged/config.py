@@ -10,10 +10,18 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-# kv_cache_dtype's names (minipaged/kv_quant.py: KV_CACHE_DTYPES is the same list)
+# kv_cache_dtype's names, as vLLM spells them (minipaged/kv_quant.py implements them)
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
+
+
+def check_kv_cache_dtype(name: object) -> str:
+    """``name`` as given, or a ValueError listing the valid names."""
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+    return name
 
 
 def _env_on(name: str) -> bool:
@@ -95,9 +103,7 @@ class EngineConfig:
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("max_model_len", self.max_model_len, allow_none=True)
         positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        from .kv_quant import check_name
-
-        check_name(self.kv_cache_dtype)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         for name in ("enable_chunked_prefill", "record_trace", "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

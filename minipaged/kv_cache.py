@@ -12,10 +12,7 @@ import torch
 
 from .parts import cdiv
 
-_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int8: 1}
-for _name in ("float8_e4m3fn", "float8_e5m2"):  # the KV formats of kv_cache_dtype (see kv_quant.py)
-    if hasattr(torch, _name):
-        _DTYPE_BYTES[getattr(torch, _name)] = 1
+_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}  # the model's dtypes (8-bit KV: kv_cache_dtype)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

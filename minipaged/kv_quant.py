@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+from .config import KV_CACHE_DTYPES
+from .config import check_kv_cache_dtype as check_name
 INT8_RANGE = 65504.0  # int8 pages hold what a 16-bit cache would: |x| beyond fp16's largest is clipped
 ALIASES = {"fp8": "fp8_e4m3"}
 
@@ -67,13 +68,6 @@ def _formats() -> dict[str, KVFormat]:
 
 
 FORMATS = _formats()
-
-
-def check_name(name: object) -> str:
-    """``name`` as given, or a ValueError listing the valid names."""
-    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {name!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
-    return name
 
 
 def unavailable(name: str) -> str | None:
