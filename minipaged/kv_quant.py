@@ -186,9 +186,9 @@ def _write_per_block(cache: torch.Tensor, fmt: KVFormat, x: torch.Tensor, mag: t
     if fresh.numel():
         scales.index_fill_(0, fresh, 0.0)  # row 0 written: the block starts afresh, its old scale goes
     need = mag.amax(-1) / fmt.qmax  # (N, H): from the magnitudes of the finite values
-    touched = torch.unique(blocks)
+    touched, which = torch.unique(blocks, return_inverse=True)
     old = scales.index_select(0, touched)
-    new = scales.clone().scatter_reduce_(0, blocks[:, None].expand(-1, h), need, "amax").index_select(0, touched)
+    new = old.clone().scatter_reduce_(0, which[:, None].expand(-1, h), need, "amax")  # max(old, the new tokens')
     grow = ((new > old) & (old > 0)).any(-1)
     if bool(grow.any()):  # re-round the rows already there to the larger scale
         g = touched[grow]
