@@ -190,3 +190,18 @@ def test_scales_are_finite_after_real_steps(tiny_model):
     for t in eng.kv_cache.k + eng.kv_cache.v:
         assert torch.isfinite(t.kv_scales).all() and (t.kv_scales >= 0).all()
     assert kq.kv_format(eng.kv_cache.k[0]).name == "int8"
+
+
+# -- tensor parallelism: each rank's pages carry their own heads' scales ----------------------------
+@pytest.mark.slow
+def test_tensor_parallel_int8_pages_equal_one_device(tiny_model):
+    model, tok = tiny_model
+    want, _ = run(model, tok, kv_cache_dtype="int8", num_blocks=32)
+    eng = None
+    try:
+        got, eng = run(model, tok, kv_cache_dtype="int8", num_blocks=32, tensor_parallel_size=2)
+    finally:
+        if eng is not None:
+            eng.shutdown()
+    assert got == want
+    assert eng.kv_cache.k[0].dtype == torch.int8 and eng.kv_cache.num_kv_heads == 1  # the driver's shard
