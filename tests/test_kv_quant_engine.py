@@ -205,3 +205,26 @@ def test_tensor_parallel_int8_pages_equal_one_device(tiny_model):
             eng.shutdown()
     assert got == want
     assert eng.kv_cache.k[0].dtype == torch.int8 and eng.kv_cache.num_kv_heads == 1  # the driver's shard
+
+
+def test_prompt_logprobs_read_the_engines_page_format(tiny_model):
+    """The scratch pass of prompt_logprobs stores the prompt in the engine's 8-bit format too."""
+    model, tok = tiny_model
+    p = [5, 9, 17, 33, 60, 61, 5, 9]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+
+    def logprobs(name):
+        eng = LLMEngine(model, tok, kv_cache_dtype=name, num_blocks=16, block_size=4)
+        rid = eng.add_request({"prompt_token_ids": p}, params)
+        out = eng.run()[rid]
+        return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+
+    plain, q8 = logprobs("auto"), logprobs("int8")
+    assert plain != q8 and max(abs(a - b) for a, b in zip(plain, q8)) < 0.5
+
+
+def test_an_unavailable_dtype_is_an_error_when_the_engine_is_built(tiny_model, monkeypatch):
+    model, tok = tiny_model
+    monkeypatch.delitem(kq.FORMATS, "fp8_e5m2")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2' cannot run: this torch"):
+        LLMEngine(model, tok, kv_cache_dtype="fp8_e5m2", num_blocks=8)
