@@ -10,7 +10,18 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal, get_args
+
+# kv_cache_dtype's names, as vLLM spells them (minipaged/kv_quant.py implements them)
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
+
+
+def check_kv_cache_dtype(name: object) -> str:
+    """``name`` as given, or a ValueError listing the valid names."""
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+    return name
 
 
 def _env_on(name: str) -> bool:
@@ -40,6 +51,14 @@ class EngineConfig:
     # Tensor parallelism (minipaged/distributed.py): the model's heads and MLP columns split over
     # this many processes joined by torch.distributed; one scheduler on the driver.
     tensor_parallel_size: int = 1
+    # What the KV pages store, as vLLM spells it (minipaged/kv_quant.py): "auto" (the model's dtype:
+    # fp32 on a CPU), "fp8" (= "fp8_e4m3") and "fp8_e5m2" (torch's float8, one scale per layer for K
+    # and one for V), "int8" (one scale per (block, KV head), stored beside the block). Any other
+    # name is a ValueError; a dtype that cannot run here is refused by the plan, with the reason.
+    kv_cache_dtype: KVCacheDtype = "auto"
+    # fp8 only: each layer's k_scale/v_scale from the first batch it stores (largest |value| / the
+    # format's largest); False: 1.0.
+    calculate_kv_scales: bool = False
     # -- speed: every fast path is chosen once, per engine, by minipaged/plan.py ----------------
     # The master switch. False: the plain PyTorch model and the chosen attention backend only
     # (the route the lessons teach). Default from $MINIPAGED_FAST_PATHS (0 turns it off).
@@ -84,7 +103,8 @@ class EngineConfig:
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("max_model_len", self.max_model_len, allow_none=True)
         positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        for name in ("enable_chunked_prefill", "record_trace"):
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        for name in ("enable_chunked_prefill", "record_trace", "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.fast_paths, bool):

@@ -188,7 +188,8 @@ def _watch_driver() -> None:
 
 
 def _worker(rank: int, size: int, init: str, cfg: Any, num_blocks: int, block_size: int, dtype: torch.dtype,
-            attention: str, backend_name: str, ready: Any = None) -> None:
+            attention: str, backend_name: str, ready: Any = None, kv_cache_dtype: str = "auto",
+            calculate_kv_scales: bool = False) -> None:
     import datetime
     import signal
 
@@ -205,7 +206,8 @@ def _worker(rank: int, size: int, init: str, cfg: Any, num_blocks: int, block_si
         dist.recv_object_list(box, src=0)  # this rank's weights
         model = build_shard_model(cfg, box[0])
         box = [None]
-        kv = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        kv = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
+                     kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales)
         backend = get_backend(attention, "cpu")
         while True:
             box = [None]
@@ -323,7 +325,9 @@ class TensorParallelExecutor:
         pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]
         procs = [ctx.Process(target=_worker, daemon=True, name=f"minipaged-tp-rank{r}",
                              args=(r, size, init, shard_config(cfg, shards[r]), kv_cache.num_blocks, kv_cache.block_size,
-                                   p.dtype, attention, backend_name, pipes[r - 1][1])) for r in range(1, size)]
+                                   p.dtype, attention, backend_name, pipes[r - 1][1]),
+                             kwargs={"kv_cache_dtype": kv_cache.kv_cache_dtype,  # 8-bit pages: each rank its own scales
+                                     "calculate_kv_scales": config.calculate_kv_scales}) for r in range(1, size)]
         for proc, (_, writer) in zip(procs, pipes):
             proc.start()
             writer.close()  # the worker holds the only writing end: its death reads as EOF here

@@ -268,7 +268,9 @@ class LLMEngine:
         self.allocator, self.prefix_cache = build_block_pool(parts, config, num_blocks)
         self.scheduler = parts.scheduler_cls(self.allocator, parts.block_table_cls, config)
         check_part(self.scheduler, SchedulerProtocol, "scheduler")
-        self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, kv_heads, mcfg.head_dim, self.dtype, self.device)
+        self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, kv_heads, mcfg.head_dim, self.dtype,
+                                self.device, kv_cache_dtype=config.kv_cache_dtype,
+                                calculate_kv_scales=config.calculate_kv_scales)
         # the one decision about speed: which implementation runs each stage (engine.plan), made
         # here, once, from the config; the executor owns every copy a fast path needs
         self.executor = self._build_executor()
@@ -348,7 +350,7 @@ class LLMEngine:
     @property
     def kv_bytes_per_token(self) -> int:
         cfg = self.model.config
-        return kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        return kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.config.kv_cache_dtype)
 
     # -- requests --------------------------------------------------------------------------
     @property
@@ -693,9 +695,11 @@ def _scrub(req: _Request, kv_cache: Any, prefix_cache: Any) -> None:
     k, v = getattr(kv_cache, "k", None), getattr(kv_cache, "v", None)
     if not blocks or not k or not v:
         return
+    from .kv_quant import clear_blocks
+
     idx = torch.tensor(sorted(blocks), dtype=torch.long, device=k[0].device)
     for t in list(k) + list(v):
-        t.index_fill_(0, idx, 0)
+        clear_blocks(t, idx)  # 8-bit pages: their per-block scales too
 
 
 def _nonfinite_rows(values: torch.Tensor) -> list[int]:

@@ -57,6 +57,8 @@ def engine_stats(engine: Any) -> dict:
         "num_blocks": engine.allocator.num_blocks,
         "block_size": engine.block_size,
         "kv_cache_mib": engine.kv_cache.nbytes / 2**20,
+        "kv_cache_dtype": getattr(engine.config, "kv_cache_dtype", "auto"),
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
         "plan": engine.plan.as_dict(),
         "routes": dict(engine.route_counts),  # steps per route ("whole_step+head_argmax", "layers+sampler", ...)
         "preemptions": t.preemptions + sum(q.num_preemptions for q in live),

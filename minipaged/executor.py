@@ -152,10 +152,28 @@ class Executor:
         the plan's table into a scratch cache of its own (the plan's ``prompt_logprobs`` route)."""
         device = next(self.model.parameters()).device
         ids, positions, cache, meta = scratch_pass(self.model, token_ids, block_size, device)
+        cache = _like_engine_pages(cache, self.kv_cache)
         route = self.last_route  # the engine's step routes are not this pass's
         hidden = self._forward(ids, positions, cache, meta)
         self.last_route = route
         return self.compute_logits(hidden)
+
+
+def _like_engine_pages(scratch: KVCache, engine_cache: Any) -> KVCache:
+    """The scratch cache in the engine's page format (kv_cache_dtype), fp8 layers at the engine's
+    scales, so a prompt's logprobs read K/V as its steps do."""
+    name = getattr(engine_cache, "kv_cache_dtype", "auto")
+    if name == "auto":
+        return scratch
+    from .kv_quant import set_layer_scale
+
+    out = KVCache(scratch.num_layers, scratch.num_blocks, scratch.block_size, scratch.num_kv_heads, scratch.head_dim,
+                  scratch.dtype, scratch.k[0].device, kv_cache_dtype=name)
+    if not out.format.per_block:
+        for mine, theirs in zip(out.k + out.v, engine_cache.k + engine_cache.v):
+            set_layer_scale(mine, float(theirs.kv_layer_scale))
+            mine.kv_calibrate = theirs.kv_calibrate
+    return out
 
 
 def make_executor(config: Any, model: nn.Module, device: torch.device, attention: Any, kv_cache: KVCache) -> Executor:

@@ -12,7 +12,7 @@ import torch
 
 from .parts import cdiv
 
-_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}  # the model's dtypes (8-bit KV: kv_cache_dtype)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -21,9 +21,28 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return _DTYPE_BYTES[dtype]
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of K and V one token occupies across all layers: 2 * layers * kv_heads * head_dim * bytes."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes(dtype)
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
+                       kv_cache_dtype: str = "auto") -> int:
+    """Bytes of K and V one token occupies across all layers: 2 * layers * kv_heads * head_dim * bytes
+    (bytes: the model's ``dtype``'s for ``kv_cache_dtype="auto"``, else 1; an int8 block's scales
+    are counted per block, see :func:`kv_bytes_per_block`)."""
+    nbytes = dtype_bytes(dtype) if kv_cache_dtype == "auto" else 1
+    return 2 * num_layers * num_kv_heads * head_dim * nbytes
+
+
+def kv_scale_bytes_per_block(num_layers: int, num_kv_heads: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of scales stored beside one block: int8 keeps one fp32 scale per (block, KV head) for
+    K and for V in every layer; fp8's per-layer scales belong to no block (0)."""
+    from .kv_quant import check_name
+
+    return 2 * num_layers * num_kv_heads * 4 if check_name(kv_cache_dtype) == "int8" else 0
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16,
+                       dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one block of ``block_size`` tokens takes in every layer, its scales included."""
+    return (kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype) * block_size
+            + kv_scale_bytes_per_block(num_layers, num_kv_heads, kv_cache_dtype))
 
 
 def num_blocks_for_budget(
@@ -33,9 +52,10 @@ def num_blocks_for_budget(
     head_dim: int,
     block_size: int = 16,
     dtype: torch.dtype = torch.float32,
+    kv_cache_dtype: str = "auto",
 ) -> int:
-    """How many whole blocks fit in ``budget_bytes`` of KV memory."""
-    per_block = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * block_size
+    """How many whole blocks fit in ``budget_bytes`` of KV memory (in ``kv_cache_dtype``)."""
+    per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype, kv_cache_dtype)
     n = int(budget_bytes) // per_block
     if n < 1:
         raise ValueError(
@@ -52,7 +72,14 @@ def write_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,  # (num_tokens,) int: block_id * block_size + offset
 ) -> None:
-    """Store each new token's K and V at its slot (the reference; Triton has its own)."""
+    """Store each new token's K and V at its slot (the reference; Triton has its own). A quantized
+    cache (``kv_cache_dtype``) is written through kv_quant.write, which quantizes."""
+    if getattr(k_cache, "kv_format", None) is not None:
+        from . import kv_quant
+
+        kv_quant.write(k_cache, k, slot_mapping)
+        kv_quant.write(v_cache, v, slot_mapping)
+        return
     num_blocks, block_size, h, d = k_cache.shape
     # A flat view turns the slot straight into a row index; no per-block arithmetic needed.
     k_cache.view(num_blocks * block_size, h, d).index_copy_(0, slot_mapping.long(), k.to(k_cache.dtype))
@@ -71,16 +98,41 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
     ) -> None:
+        """``dtype``: the model's (what attention computes in); ``kv_cache_dtype``: what the pages
+        store ("auto": ``dtype``; "fp8"/"fp8_e4m3"/"fp8_e5m2"/"int8": 8 bits with scales, see
+        kv_quant.py). ``calculate_kv_scales``: fp8 layers set their scale from the first batch."""
+        from . import kv_quant
+
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.kv_cache_dtype = kv_quant.check_name(kv_cache_dtype)
+        self.format = kv_quant.resolve(kv_cache_dtype)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if self.format is None:
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        else:
+            self.k = [kv_quant.new_cache(shape, self.format, device) for _ in range(num_layers)]
+            self.v = [kv_quant.new_cache(shape, self.format, device) for _ in range(num_layers)]
+            for t in self.k + self.v:
+                if not self.format.per_block:
+                    t.kv_calibrate = bool(calculate_kv_scales)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """What the pages hold: the model's dtype, or the quantized format's."""
+        return self.dtype if self.format is None else self.format.storage
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """The pages' bytes, with the scales stored beside int8 blocks."""
+        pages = sum(t.numel() * t.element_size() for t in self.k + self.v)
+        if self.format is None or not self.format.per_block:
+            return pages
+        return pages + sum(t.kv_scales.numel() * 4 for t in self.k + self.v)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         write_kv(self.k[layer], self.v[layer], k, v, slot_mapping)
@@ -88,7 +140,8 @@ class KVCache:
     def __repr__(self) -> str:
         return (
             f"KVCache(layers={self.num_layers}, blocks={self.num_blocks}x{self.block_size}, "
-            f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {self.dtype}, {self.nbytes / 2**20:.1f} MiB)"
+            f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"{self.dtype if self.format is None else self.format.name}, {self.nbytes / 2**20:.1f} MiB)"
         )
 
 
@@ -129,7 +182,8 @@ def plan_num_blocks(config, num_layers: int, num_kv_heads: int, head_dim: int, m
     available now: a budget larger than that is a ValueError, never an out-of-memory kill.
     """
     bs = config.block_size
-    per_block = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * bs
+    kv_dtype = getattr(config, "kv_cache_dtype", "auto")
+    per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, bs, dtype, kv_dtype)
     avail = available_memory_bytes(device)
     if config.num_blocks is not None:
         n = config.num_blocks
@@ -139,7 +193,7 @@ def plan_num_blocks(config, num_layers: int, num_kv_heads: int, head_dim: int, m
         budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_budget(device)
         asked = budget
         what = f"kv_cache_bytes={budget} ({budget / 2**30:.2f} GiB)"
-        n = num_blocks_for_budget(budget, num_layers, num_kv_heads, head_dim, bs, dtype)
+        n = num_blocks_for_budget(budget, num_layers, num_kv_heads, head_dim, bs, dtype, kv_dtype)
         n = min(n, config.max_num_seqs * cdiv(max_model_len, bs))  # more could never be used
     if asked > 0.9 * avail:
         raise ValueError(

@@ -25,7 +25,8 @@ _TORCH_DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-_SMALL_DTYPES = {"fp8": 1.0, "float8": 1.0, "int8": 1.0, "int4": 0.5, "q4": 0.5}
+_SMALL_DTYPES = {"fp8": 1.0, "float8": 1.0, "int8": 1.0, "int4": 0.5, "q4": 0.5,
+                 "fp8_e4m3": 1.0, "fp8_e5m2": 1.0}  # kv_cache_dtype's names (kv_quant.py)
 
 
 def element_bytes(dtype: str | torch.dtype) -> float:

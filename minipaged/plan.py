@@ -17,6 +17,7 @@ linear             gguf: from the file's 4/8-bit blocks   torch: F.linear on the
                    mkl-packed: full decode batches
 elementwise        c: RMSNorm(+residual), SiLU*up, RoPE   torch
 whole_step_decode  c: every layer of a decode step, 1 call off (layer by layer)
+kv_cache           (kv_cache_dtype) fp8/int8 pages        the model's dtype (auto)
 next_token         head-argmax: greedy rows, no logits    sampler over the logits
 prompt_logprobs    one more pass on this table            the model's own forward
 =================  =====================================  ==========================================
@@ -44,7 +45,7 @@ from .model.llama import plain_ops
 from .model.ops import Op, Ops
 
 STAGES = ("kv_write", "decode_attention", "prefill_attention", "linear", "elementwise", "whole_step_decode",
-          "next_token", "prompt_logprobs")
+          "next_token", "prompt_logprobs", "kv_cache")
 TABLE_STAGES = STAGES[:5]  # the stages whose routes are the table's ops
 
 
@@ -139,12 +140,25 @@ class AttentionChoice:
     c: bool = False  # the C kernels attend (so nothing of yours is bypassed by a fused route)
 
 
+# why the C paged decode kernel cannot read 8-bit pages (None: it can)
+C_READS_QUANTIZED = "the C paged decode kernel reads fp32 pages only (it has no dequantizing read)"
+
+
 def attention_stage(config: Any, device: torch.device, attention: Any, c_on: bool,
                     c_refused: Mapping[str, str]) -> AttentionChoice:
     """``attention`` ("auto", "cpu", "torch", "triton", "reference", or yours): "auto" is Triton on a
-    CUDA GPU, the C kernels on a CPU where they serve, else PyTorch."""
+    CUDA GPU, the C kernels on a CPU where they serve, else PyTorch. With 8-bit KV pages
+    (``kv_cache_dtype``) the C attention is refused (``C_READS_QUANTIZED``) and PyTorch reads them."""
     refused: dict[str, str] = {}
     custom = not isinstance(attention, str)
+    kv_dtype = getattr(config, "kv_cache_dtype", "auto")
+    if kv_dtype != "auto" and C_READS_QUANTIZED is not None:
+        if attention == "cpu":
+            raise ValueError(f"attention='cpu' cannot read kv_cache_dtype={kv_dtype!r}: {C_READS_QUANTIZED}. "
+                             "Use attention='auto' or 'torch' (it dequantizes), or kv_cache_dtype='auto'")
+        if attention == "auto" and c_on and device.type == "cpu":
+            refused["c_attention"] = f"kv_cache_dtype={kv_dtype!r}: {C_READS_QUANTIZED}; torch SDPA dequantizes"
+            c_on = False
     if attention == "cpu" or (attention == "auto" and c_on and device.type == "cpu"):
         if not c_on:
             raise ValueError("attention='cpu' needs the C kernels on fp32 CPU tensors: "
@@ -169,6 +183,33 @@ def attention_stage(config: Any, device: torch.device, attention: Any, c_on: boo
     kv = "torch (index_copy_)" if backend.write_kv.__module__.endswith("kv_cache") else f"{label} write_kv"
     return AttentionChoice(backend, Op(backend.write_kv, {"kv_write": kv}),
                            Op(backend.forward, {"decode_attention": label, "prefill_attention": label}), False, refused)
+
+
+def kv_cache_stage(config: Any, backend: AttentionBackend, custom: bool) -> tuple[str, dict]:
+    """(the kv_cache route, refusals): what the pages store. A dtype that cannot run here (no
+    float8 in this torch, a Triton without fp8 loads, your attention function that does not read
+    the scales) is a ValueError with the reason: kv_cache_dtype is never quietly dropped."""
+    from . import kv_quant
+
+    name = getattr(config, "kv_cache_dtype", "auto")
+    fmt = kv_quant.resolve(name)  # ValueError: this torch cannot store it
+    if fmt is None:
+        return "the model's dtype (kv_cache_dtype='auto')", {}
+    why = None
+    if backend.name == "triton" and not fmt.per_block:
+        import triton.language as tl
+
+        if not hasattr(tl, "float8e4nv" if fmt.name == "fp8_e4m3" else "float8e5"):
+            why = "this Triton build has no fp8 loads"
+    if custom and not getattr(backend.paged_attention, "dequantizes", False):
+        why = ("your attention function reads the pages raw; to read 8-bit pages it must multiply each block by "
+               "kv_quant.kv_scales(cache)[block, head] and say so with fn.dequantizes = True")
+    if why is not None:
+        raise ValueError(f"kv_cache_dtype={name!r} cannot run: {why}. Use kv_cache_dtype='auto'")
+    calib = ("; calibrated on the first batch" if getattr(config, "calculate_kv_scales", False) and not fmt.per_block
+             else "; 1.0" if not fmt.per_block else "")
+    return (f"{fmt.name} pages, {fmt.scale_granularity}{calib}: quantized on write (kv_quant.write), "
+            f"dequantized by {backend.name} as it reads"), {}
 
 
 def own_model_refusal(model: nn.Module) -> str | None:
@@ -399,7 +440,12 @@ def build_plan(config: Any, model: nn.Module, device: torch.device, attention: A
     refused.update(why)
     elementwise, why = elementwise_stage(config, table_why, c_on)
     refused.update(why)
-    ops = replace(plain_ops(attn.backend), linear=linear, write_kv=attn.write_kv, attention=attn.attention,
+    kv_route, why = kv_cache_stage(config, attn.backend, not isinstance(attention, str))
+    refused.update(why)
+    write_kv = attn.write_kv
+    if getattr(config, "kv_cache_dtype", "auto") != "auto":
+        write_kv = Op(attn.write_kv.fn, {"kv_write": "torch quantizing write (kv_quant.write)"})
+    ops = replace(plain_ops(attn.backend), linear=linear, write_kv=write_kv, attention=attn.attention,
                   **elementwise)
     whole, whole_route, why = whole_step_stage(config, model, ops, blocks, attn.c)
     refused.update(why)
@@ -409,7 +455,8 @@ def build_plan(config: Any, model: nn.Module, device: torch.device, attention: A
     spec_route, limit = speculative_stage(
         config, device, "the whole-step call, each token a decode row" if rows
         else f"the {'layers' if table else 'model'} route (a prefill-shaped step)")
-    stages = {"whole_step_decode": whole_route, "next_token": head_route, "prompt_logprobs": prompt_logprobs_stage(table)}
+    stages = {"whole_step_decode": whole_route, "next_token": head_route, "prompt_logprobs": prompt_logprobs_stage(table),
+              "kv_cache": kv_route}
     if spec_route is not None:
         stages["speculative"] = spec_route
     return Plan(ops, stages, refused, attn.backend.name, table=table, attention=attn.backend, blocks=blocks,
@@ -418,4 +465,4 @@ def build_plan(config: Any, model: nn.Module, device: torch.device, attention: A
 
 __all__ = ["STAGES", "TABLE_STAGES", "Plan", "build_plan", "decide", "mkl_packing_available", "c_kernels_stage",
            "attention_stage", "linear_stage", "elementwise_stage", "whole_step_stage", "next_token_stage",
-           "speculative_stage", "prompt_logprobs_stage", "own_model_refusal"]
+           "speculative_stage", "prompt_logprobs_stage", "own_model_refusal", "kv_cache_stage", "C_READS_QUANTIZED"]

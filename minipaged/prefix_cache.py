@@ -265,9 +265,11 @@ def copy_blocks(kv_cache: Any, pairs: Sequence[tuple[int, int]]) -> None:
     device = kv_cache.k[0].device
     src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
     dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
-    for layer in range(len(kv_cache.k)):
-        kv_cache.k[layer][dst] = kv_cache.k[layer][src]
-        kv_cache.v[layer][dst] = kv_cache.v[layer][src]
+    from .kv_quant import copy_blocks as copy_layer_blocks
+
+    for layer in range(len(kv_cache.k)):  # a copied block takes its scales with it (8-bit KV, per block)
+        copy_layer_blocks(kv_cache.k[layer], src, dst)
+        copy_layer_blocks(kv_cache.v[layer], src, dst)
 
 
 __all__ = [

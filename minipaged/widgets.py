@@ -170,7 +170,8 @@ def _layout(w, width: str = "460px"):
 
 
 # -- memory calculator -------------------------------------------------------------------
-_KV_DTYPES = [("fp32", "float32"), ("fp16 / bf16", "float16"), ("fp8", "fp8")]
+_KV_DTYPES = [("fp32", "float32"), ("fp16 / bf16", "float16"), ("fp8", "fp8"), ("fp8 e5m2", "fp8_e5m2"),
+              ("int8 (a scale per block)", "int8")]  # kv_cache_dtype's names (kv_quant.py)
 _W_DTYPES = [("fp32", "float32"), ("fp16 / bf16", "float16"), ("int8", "int8"), ("int4", "int4")]
 _BLOCK_SIZES = [1, 8, 16, 32, 64, 128, 256]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kv_quant import read_blocks
 from ..parts import cdiv
 
 
@@ -16,10 +17,11 @@ def gather_kv(
     block_table: torch.Tensor,  # (max_blocks,) int: physical block ids of one sequence
     context_len: int,
 ) -> torch.Tensor:
-    """The first ``context_len`` tokens of one sequence, contiguous: (context_len, num_kv_heads, head_dim)."""
+    """The first ``context_len`` tokens of one sequence, contiguous: (context_len, num_kv_heads, head_dim).
+    A quantized cache (kv_quant.py) comes back dequantized, in fp32: each block times its scales."""
     block_size = cache.shape[1]
     n_blocks = cdiv(context_len, block_size)
-    blocks = cache[block_table[:n_blocks].long()]  # (n_blocks, block_size, H_kv, D)
+    blocks = read_blocks(cache, block_table[:n_blocks].long())  # (n_blocks, block_size, H_kv, D)
     return blocks.reshape(-1, *cache.shape[2:])[:context_len]
 
 
@@ -93,8 +95,8 @@ def _decode_batched(
     block_size, H_kv = k_cache.shape[1], k_cache.shape[2]
     n_blocks = cdiv(int(context_lens.max()), block_size)
     bt = block_tables[:, :n_blocks].long()
-    k = k_cache[bt].reshape(S, n_blocks * block_size, H_kv, D).float()  # (S, C, H_kv, D), padded
-    v = v_cache[bt].reshape(S, n_blocks * block_size, H_kv, D).float()
+    k = read_blocks(k_cache, bt.reshape(-1)).reshape(S, n_blocks * block_size, H_kv, D).float()  # (S, C, H_kv, D), padded
+    v = read_blocks(v_cache, bt.reshape(-1)).reshape(S, n_blocks * block_size, H_kv, D).float()
     qg = q.float().view(S, H_kv, H // H_kv, D)
     scores = torch.einsum("shgd,schd->shgc", qg, k) * scale  # (S, H_kv, G, C)
     pad = torch.arange(n_blocks * block_size, device=q.device)[None, :] >= context_lens[:, None].long()  # (S, C)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kv_quant import read_blocks
+
 # Batch the prefills into one padded call while padded work <= this x the real work
 # (sum of q_len * context_len). Above it, one call per sequence wastes less.
 PREFILL_PAD_LIMIT = 2.0
@@ -40,14 +42,16 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         )
 
 
-def _gather_padded(cache: torch.Tensor, block_tables: torch.Tensor, n_blocks: int) -> torch.Tensor:
+def _gather_padded(cache: torch.Tensor, block_tables: torch.Tensor, n_blocks: int,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """The first ``n_blocks`` blocks of every row of ``block_tables``: (S, H_kv, n_blocks * block_size, D).
+    A quantized cache (kv_quant.py) is dequantized to ``dtype`` (the queries') as it is gathered.
 
     ``index_select`` on a flat id list is several times faster on a CPU than ``cache[table]``."""
     S = block_tables.shape[0]
     _, block_size, h_kv, d = cache.shape
     ids = block_tables[:, :n_blocks].reshape(-1).long()
-    return cache.index_select(0, ids).view(S, n_blocks * block_size, h_kv, d).transpose(1, 2)
+    return read_blocks(cache, ids, dtype).view(S, n_blocks * block_size, h_kv, d).transpose(1, 2)
 
 
 def decode_attention(
@@ -64,8 +68,8 @@ def decode_attention(
     block_size = k_cache.shape[1]
     c_max = int(context_lens.max()) if max_context_len is None else max_context_len
     n_blocks = -(-c_max // block_size)
-    k = _gather_padded(k_cache, block_tables, n_blocks)
-    v = _gather_padded(v_cache, block_tables, n_blocks)
+    k = _gather_padded(k_cache, block_tables, n_blocks, q.dtype)
+    v = _gather_padded(v_cache, block_tables, n_blocks, q.dtype)
     C = n_blocks * block_size
     mask = (torch.arange(C, device=q.device)[None, :] < context_lens[:, None].long())[:, None, None, :]
     return _sdpa(q.view(S, H, 1, D), k, v, mask, scale).view(S, H, D)
@@ -76,8 +80,8 @@ def _prefill_one(q, k_cache, v_cache, table, c_len, scale):
     q_len = q.shape[0]
     block_size = k_cache.shape[1]
     n_blocks = -(-c_len // block_size)
-    k = _gather_padded(k_cache, table[None], n_blocks)[:, :, :c_len]  # (1, H_kv, C, D)
-    v = _gather_padded(v_cache, table[None], n_blocks)[:, :, :c_len]
+    k = _gather_padded(k_cache, table[None], n_blocks, q.dtype)[:, :, :c_len]  # (1, H_kv, C, D)
+    v = _gather_padded(v_cache, table[None], n_blocks, q.dtype)[:, :, :c_len]
     q_pos = torch.arange(c_len - q_len, c_len, device=q.device)[:, None]
     mask = torch.arange(c_len, device=q.device)[None, :] <= q_pos  # causal over the cached prefix too
     return _sdpa(q.transpose(0, 1)[None], k, v, mask, scale)[0].transpose(0, 1)
@@ -90,8 +94,8 @@ def _prefill_padded(q, k_cache, v_cache, block_tables, context_lens, q_lens, sca
     block_size = k_cache.shape[1]
     dev = q.device
     n_blocks = -(-c_max // block_size)
-    k = _gather_padded(k_cache, block_tables, n_blocks)  # (P, H_kv, C, D)
-    v = _gather_padded(v_cache, block_tables, n_blocks)
+    k = _gather_padded(k_cache, block_tables, n_blocks, q.dtype)  # (P, H_kv, C, D)
+    v = _gather_padded(v_cache, block_tables, n_blocks, q.dtype)
     C = n_blocks * block_size
     ql = q_lens.to(dev).long()
     cl = context_lens.long()

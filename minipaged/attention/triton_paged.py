@@ -69,6 +69,7 @@ def _paged_decode_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr,  # split-KV scratch, written when NUM_SPLITS > 1
     q_ptr,  # (num_seqs, num_heads, head_dim): one new token per sequence
     k_cache_ptr, v_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    k_scale_ptr, v_scale_ptr,  # (num_blocks, num_kv_heads) fp32: a quantized cache's scales (QUANT)
     block_tables_ptr,  # (num_seqs, max_blocks) int32
     context_lens_ptr,  # (num_seqs,) int32
     qk_scale,  # softmax scale * log2(e)
@@ -80,6 +81,8 @@ def _paged_decode_kernel(
     stride_os, stride_oh, stride_od,
     stride_pas, stride_pah, stride_pak,  # part_acc: (num_seqs, num_heads, NUM_SPLITS, head_dim)
     stride_pms, stride_pmh,  # part_m, part_l: (num_seqs, num_heads, NUM_SPLITS)
+    stride_ksb, stride_ksh, stride_vsb, stride_vsh,  # the scales' strides (0, 0 for one scale per layer)
+    QUANT: tl.constexpr,  # the cache holds fp8/int8: each K/V row is multiplied by its (block, head) scale
     QUERIES_PER_KV: tl.constexpr,  # GQA group: query heads that share one KV head
     HEADS_PER_PROGRAM: tl.constexpr,  # QUERIES_PER_KV (grouped), or 1 to switch grouping off
     BLOCK_H: tl.constexpr,  # HEADS_PER_PROGRAM padded to a power of two >= 16 (tl.dot's minimum)
@@ -118,7 +121,11 @@ def _paged_decode_kernel(
     q = tl.load(
         q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
         mask=head_mask[:, None] & d_mask[None, :], other=0.0,
-    ).to(k_cache_ptr.dtype.element_ty)  # (BLOCK_H, BLOCK_D), in the cache's dtype for tl.dot
+    )
+    if QUANT:
+        q = q.to(tl.float32)  # the pages are dequantized to fp32 as they are read
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)  # (BLOCK_H, BLOCK_D), in the cache's dtype for tl.dot
 
     # Online softmax, per query head (row), in fp32. After the tiles seen so far:
     #   m   = the largest score so far (in log2 units),
@@ -148,6 +155,9 @@ def _paged_decode_kernel(
             k_head + (block * stride_kb + row * stride_kt)[None, :] + offs_d[:, None] * stride_kd,
             mask=d_mask[:, None] & t_mask[None, :], other=0.0,
         )
+        if QUANT:  # each token's K times the scale of its (block, KV head)
+            k_sc = tl.load(k_scale_ptr + block * stride_ksb + kv_head * stride_ksh, mask=t_mask, other=0.0)
+            k = k.to(tl.float32) * k_sc[None, :]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_H, TILE) fp32
         s = tl.where(t_mask[None, :], s, float("-inf"))  # positions past the context are no tokens
 
@@ -160,6 +170,9 @@ def _paged_decode_kernel(
             v_head + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :] * stride_vd,
             mask=t_mask[:, None] & d_mask[None, :], other=0.0,
         )  # (TILE, BLOCK_D)
+        if QUANT:
+            v_sc = tl.load(v_scale_ptr + block * stride_vsb + kv_head * stride_vsh, mask=t_mask, other=0.0)
+            v = v.to(tl.float32) * v_sc[:, None]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
@@ -217,6 +230,7 @@ def _paged_prefill_kernel(
     out_ptr,  # (num_tokens, num_heads, head_dim)
     q_ptr,  # (num_tokens, num_heads, head_dim): sequence s owns rows query_start_loc[s]:[s+1]
     k_cache_ptr, v_cache_ptr,
+    k_scale_ptr, v_scale_ptr,  # (num_blocks, num_kv_heads) fp32: a quantized cache's scales (QUANT)
     block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
     tile_seq_ptr,  # (num_tiles,) int64: which sequence each query tile belongs to
     qk_scale,
@@ -225,6 +239,8 @@ def _paged_prefill_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bts, stride_btb,
     stride_ot, stride_oh, stride_od,
+    stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+    QUANT: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q tokens x QUERIES_PER_KV heads (+ padding)
     BLOCK_Q: tl.constexpr,  # BLOCK_M // QUERIES_PER_KV new tokens per program
@@ -257,7 +273,10 @@ def _paged_prefill_kernel(
     offs_t = tl.arange(0, TILE)
     q_rows = tok.to(tl.int64) * stride_qt + heads * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)  # (BLOCK_M, BLOCK_D)
+    if QUANT:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)  # (BLOCK_M, BLOCK_D)
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -275,6 +294,9 @@ def _paged_prefill_kernel(
         row = (t % BLOCK_SIZE).to(tl.int64)
         kv_off = block * stride_kb + row * stride_kt
         k = tl.load(k_head + kv_off[None, :] + offs_d[:, None] * stride_kd, mask=d_mask[:, None] & t_mask[None, :], other=0.0)
+        if QUANT:
+            k_sc = tl.load(k_scale_ptr + block * stride_ksb + kv_head * stride_ksh, mask=t_mask, other=0.0)
+            k = k.to(tl.float32) * k_sc[None, :]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, TILE); k is K^T
         # Key 0 is visible to every row, so the first tile gives each row a finite maximum and
         # a later, fully masked tile only adds exp2(-inf) = 0.
@@ -285,6 +307,9 @@ def _paged_prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_head + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :] * stride_vd, mask=t_mask[:, None] & d_mask[None, :], other=0.0)
+        if QUANT:
+            v_sc = tl.load(v_scale_ptr + block * stride_vsb + kv_head * stride_vsh, mask=t_mask, other=0.0)
+            v = v.to(tl.float32) * v_sc[:, None]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
@@ -353,7 +378,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         raise ValueError(f"num_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache.shape[2]}")
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype} and {v_cache.dtype}")
-    for t in (q, k_cache):  # q may differ from the cache: the kernels cast it to the cache's dtype
+    quantized = _scales(k_cache) is not None
+    for t in (q,) if quantized else (q, k_cache):  # q may differ from the cache: the kernels cast it to the cache's dtype
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"the Triton kernels take float32, float16 or bfloat16, not {t.dtype}")
     if INTERPRETED and torch.bfloat16 in (q.dtype, k_cache.dtype):
@@ -368,6 +394,20 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 only affects fp32 inputs
+
+
+def _scales(cache: torch.Tensor) -> torch.Tensor | None:
+    """A quantized cache's (num_blocks, num_kv_heads) scales (kv_quant.py), None for a plain one."""
+    return getattr(cache, "kv_scales", None)
+
+
+def _scale_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[tuple, tuple, bool]:
+    """(the two scale pointers, their four strides, QUANT) for a launch; a plain cache passes itself
+    as a placeholder pointer the kernel never reads."""
+    ks, vs = _scales(k_cache), _scales(v_cache)
+    if ks is None or vs is None:
+        return (k_cache, v_cache), (0, 0, 0, 0), False
+    return (ks, vs), (*ks.stride(), *vs.stride()), True
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -386,6 +426,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be ({num_tokens},), one slot per token; got {tuple(slot_mapping.shape)}")
     if num_tokens == 0:
+        return
+    if _scales(k_cache) is not None:  # a quantized cache: the quantizing write (scales per block grow)
+        from ..kv_quant import write
+
+        write(k_cache, k, slot_mapping)
+        write(v_cache, v, slot_mapping)
         return
     _check_device(k)
     _store_kv_kernel[(num_tokens,)](
@@ -455,18 +501,19 @@ def paged_decode(
     else:  # unused by the kernel; any tensor will do as a placeholder pointer
         part_acc = part_m = part_l = out
     grid = (num_seqs, num_heads // heads_per_program, num_splits)
+    scale_ptrs, scale_strides, quant = _scale_args(k_cache, v_cache)
 
     def launch(tile: int) -> None:
         tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), tile) * tile
         _paged_decode_kernel[grid](
-            out, part_acc, part_m, part_l, q, k_cache, v_cache, block_tables, context_lens,
+            out, part_acc, part_m, part_l, q, k_cache, v_cache, *scale_ptrs, block_tables, context_lens,
             scale * LOG2E, tokens_per_split,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
             *(part_acc.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-            *(part_m.stride()[:2] if num_splits > 1 else (0, 0)),
+            *(part_m.stride()[:2] if num_splits > 1 else (0, 0)), *scale_strides, QUANT=quant,
             QUERIES_PER_KV=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_H=_pow2(heads_per_program, 16),
             HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16), BLOCK_SIZE=block_size, TILE=tile,
-            NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(k_cache.dtype),
+            NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(torch.float32 if quant else k_cache.dtype),
         )
 
     tiles = DECODE_TILES if tile is None else (_pow2(tile, 16),)
@@ -524,18 +571,20 @@ def paged_prefill(
     group = num_heads // num_kv_heads
     context_lens = context_lens.contiguous()
     query_start_loc = query_start_loc.contiguous()
+    scale_ptrs, scale_strides, quant = _scale_args(k_cache, v_cache)
 
     def launch(config: tuple[int, int]) -> None:
         block_m = _pow2(max(config[0], group), 16)  # a program holds at least one token's whole group
         block_q = block_m // group
         tile_seq = _query_tiles(query_start_loc, block_q, num_tokens)
         _paged_prefill_kernel[(tile_seq.shape[0], num_kv_heads)](
-            out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, tile_seq,
+            out, q, k_cache, v_cache, *scale_ptrs, block_tables, context_lens, query_start_loc, tile_seq,
             scale * LOG2E,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+            *scale_strides, QUANT=quant,
             QUERIES_PER_KV=group, BLOCK_M=block_m, BLOCK_Q=block_q,
             HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16), BLOCK_SIZE=block_size, TILE=_pow2(config[1], 16),
-            DOT_PRECISION=_dot_precision(k_cache.dtype),
+            DOT_PRECISION=_dot_precision(torch.float32 if quant else k_cache.dtype),
             num_warps=4 if head_dim <= 128 else 8,
         )
 

@@ -72,6 +72,14 @@ class Setting:
     max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     seed: int = 0
+    kv_cache_dtype: str = "auto"  # "auto": the weights' 16 bits; fp8/int8: 1 byte a value (int8's scales ignored)
+
+    def spec(self):
+        """The model's spec, its KV at ``kv_cache_dtype``'s bytes."""
+        from dataclasses import replace
+
+        m = get_model(self.model)
+        return m if self.kv_cache_dtype == "auto" else replace(m, kv_dtype_bytes=1)
 
     def max_len(self) -> int:
         return min(get_model(self.model).max_len, 2048) if self.model.startswith("opt") else get_model(self.model).max_len
@@ -82,14 +90,14 @@ _PARTS: dict[str, Any] = {}
 
 
 def _simulate(setting: Setting, system: str, rate: float, n: int, seed: int) -> SimResult:
-    plan = memory_plan(setting.gpu, setting.model, setting.memory_bytes,
+    plan = memory_plan(setting.gpu, setting.spec(), setting.memory_bytes,
                        max_num_batched_tokens=setting.max_num_batched_tokens, max_num_seqs=setting.max_num_seqs)
     max_len = setting.max_len()
     reqs = sample_lengths(setting.dataset, n, max_len=max_len, seed=seed)
     arr = poisson_arrivals(n, rate, seed=seed)
     sched = build_scheduler(system, plan.kv_tokens, setting.block_size, max_len, setting.max_num_seqs,
                             setting.max_num_batched_tokens, **_PARTS)
-    return serve(sched, reqs, arr, StepCostModel(setting.gpu, setting.model, DEFAULT_CALIBRATION), system, rate)
+    return serve(sched, reqs, arr, StepCostModel(setting.gpu, setting.spec(), DEFAULT_CALIBRATION), system, rate)
 
 
 def find_knee(setting: Setting, system: str, threshold: float = DEFAULT_THRESHOLD, n: int = SEARCH_REQUESTS) -> float:
@@ -154,7 +162,8 @@ def _pool_map(fn, tasks: list, workers: int, on_result=None) -> list:
 def reproduce(gpu: str = "a100-40gb", model: str = "opt-13b", dataset: str = "sharegpt",
               systems: Iterable[str] = tuple(SYSTEMS), num_requests: int = 10_000, fig13_rate: float | None = None,
               threshold: float = DEFAULT_THRESHOLD, block_size: int = 16, memory_gb: float | None = None,
-              seed: int = 0, workers: int | None = None, progress: bool = True, parts: dict | None = None) -> dict:
+              seed: int = 0, workers: int | None = None, progress: bool = True, parts: dict | None = None,
+              kv_cache_dtype: str = "auto") -> dict:
     """Figs. 12 and 13 for one GPU, model and dataset: the JSON ``minipaged bench paper`` writes.
 
     ``num_requests`` is simulated *per system*: spread over the curve's rates and the Fig. 13
@@ -166,9 +175,12 @@ def reproduce(gpu: str = "a100-40gb", model: str = "opt-13b", dataset: str = "sh
     for s in systems:
         if s not in SYSTEMS:
             raise ValueError(f"unknown system {s!r}. Known: {', '.join(SYSTEMS)}")
+    from ...config import check_kv_cache_dtype
+
     g, m, d = get_gpu(gpu), get_model(model), get_dataset(dataset)
     setting = Setting(g.name, m.name, d.name, block_size, None if memory_gb is None else int(memory_gb * (1 << 30)),
-                      seed=seed)
+                      seed=seed, kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype))
+    m = setting.spec()
     plan = memory_plan(g, m, setting.memory_bytes)  # a clear error now if the model does not fit
     if plan.kv_tokens < setting.max_len():
         raise ValueError(f"the KV cache holds {plan.kv_tokens} tokens, less than one {setting.max_len()}-token sequence "
@@ -230,7 +242,7 @@ def reproduce(gpu: str = "a100-40gb", model: str = "opt-13b", dataset: str = "sh
             for th in vllm["max_rate_by_threshold"]}
     out["settings"] = {
         "gpu": g.name, "model": m.name, "dataset": d.name, "fig13_rate": fig13_rate, "latency_threshold": threshold,
-        "block_size": block_size, "max_num_seqs": setting.max_num_seqs,
+        "block_size": block_size, "max_num_seqs": setting.max_num_seqs, "kv_cache_dtype": kv_cache_dtype,
         "max_num_batched_tokens": setting.max_num_batched_tokens, "max_len": setting.max_len(), "seed": seed,
         "requests_per_point": per_point, "curve_fractions_of_knee": list(CURVE_FRACTIONS),
         "memory_plan": plan.__dict__, "calibration": DEFAULT_CALIBRATION.__dict__,
@@ -245,7 +257,7 @@ def reproduce(gpu: str = "a100-40gb", model: str = "opt-13b", dataset: str = "sh
         "cpu_seconds": round(sum(cpu.values()), 1), "workers": workers,
         "load_average_1min": round(os.getloadavg()[0], 1) if hasattr(os, "getloadavg") else None,
     }
-    if (g.name, m.name, d.name) == ("a100-40gb", "opt-13b", "sharegpt"):
+    if (g.name, m.name, d.name) == ("a100-40gb", "opt-13b", "sharegpt") and kv_cache_dtype == "auto":
         out["paper"] = {"fig13_mean_batched_requests": PAPER_FIG13_SHAREGPT,
                         "vllm_max_rate_over": {k: list(v) for k, v in PAPER_RATIO_RANGES.items()}}
         out["checks"] = paper_checks(out)
@@ -408,6 +420,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="normalized latency (s/token) "
                    "a sustained rate stays under")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
+                   help="the KV pages' format (default auto: the weights' 16 bits; fp8/int8: 1 byte a value)")
     p.add_argument("--memory-gb", type=float, default=None, help="give the GPU this much memory (GiB) instead")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS))
     p.add_argument("--workers", type=int, default=None, help="processes (default: 2, or 1 on a 1-core machine)")
@@ -421,7 +435,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_cli(a: argparse.Namespace) -> int:
     res = reproduce(a.gpu, a.model, a.dataset, [s.strip() for s in a.systems.split(",") if s.strip()],
                     a.num_requests, a.fig13_rate, a.threshold, a.block_size, a.memory_gb, a.seed, a.workers,
-                    not a.no_progress)
+                    not a.no_progress, kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto"))
     print(format_table(res))
     if a.plot:
         plot(res, a.plot)

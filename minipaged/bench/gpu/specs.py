@@ -51,11 +51,12 @@ class ModelSpec:
     tied_embeddings: bool
     source: str
     dtype_bytes: int = 2  # fp16/bf16 weights and KV, as the paper serves them
+    kv_dtype_bytes: int | None = None  # the KV pages' bytes per value when not the weights' (kv_cache_dtype fp8: 1)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V, every layer, every KV head: 2 x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """K and V, every layer, every KV head: 2 x layers x kv_heads x head_dim x KV dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (self.kv_dtype_bytes or self.dtype_bytes)
 
     def shape_params(self) -> int:
         """The parameter count the shape implies (matrices only, no biases or norms): a check on
