@@ -292,4 +292,56 @@ def no_token_left(row: torch.Tensor, seq: Any) -> str | None:
     return None
 
 
-__all__ = ["BACKEND", "StructuredOutputs", "StructuredOutputError", "encoded_vocab", "tokenizer_info", "no_token_left"]
+# -- the same mask by hand, for a choice list (lesson 13's exercise checks against xgrammar's) ---------
+def token_bytes(tokenizer: Any, vocab_size: int) -> list:
+    """Each token id's bytes (byte-level BPE: the GPT-2 characters mapped back to bytes); None for
+    special tokens and ids past the tokenizer's vocabulary (they never spell text)."""
+    from .model.tokenizer import _bytes_to_unicode
+
+    back = {c: b for b, c in _bytes_to_unicode().items()}
+    out: list = []
+    for text in encoded_vocab(tokenizer, vocab_size):
+        out.append(bytes(back[c] for c in text) if text and all(c in back for c in text) else None)
+    return out
+
+
+def choice_mask(vocab_bytes: list, choices: list[str], prefix: bytes, stop_token_ids: Iterable[int]) -> torch.Tensor:
+    """The tokens that may follow ``prefix`` when the output must be one of ``choices``, by a trie
+    walk: a trie of the choices' bytes, walked along the prefix; a token is allowed when its bytes
+    walk on from there, a stop token when the prefix is a whole choice. Returns a bool (V,) mask."""
+    trie: dict = {}
+    for c in choices:
+        node = trie
+        for b in c.encode("utf-8"):
+            node = node.setdefault(b, {})
+        node[None] = True  # a choice ends here
+    node = trie
+    for b in prefix:
+        node = node.get(b)
+        if node is None:
+            return torch.zeros(len(vocab_bytes), dtype=torch.bool)
+    allowed = torch.zeros(len(vocab_bytes), dtype=torch.bool)
+    for t, tb in enumerate(vocab_bytes):
+        if not tb:
+            continue
+        n = node
+        for b in tb:
+            n = n.get(b)
+            if n is None:
+                break
+        else:
+            allowed[t] = True
+    if None in node:
+        for t in stop_token_ids:
+            allowed[t] = True
+    return allowed
+
+
+def grammar_mask(structured: "StructuredOutputs", seq: Any) -> torch.Tensor:
+    """xgrammar's mask for ``seq`` after its output tokens, as a bool (V,) tensor (True: allowed)."""
+    logits = torch.zeros(1, structured.vocab_size)
+    structured.apply(logits, [seq])
+    return logits[0] != float("-inf")
+
+
+__all__ = ["BACKEND", "token_bytes", "choice_mask", "grammar_mask", "StructuredOutputs", "StructuredOutputError", "encoded_vocab", "tokenizer_info", "no_token_left"]
