@@ -255,3 +255,77 @@ def test_tiny_model_outputs_follow_the_grammar(tiny_model):
     a, b = outs[0].outputs[0], outs[1].outputs[0]
     assert re.fullmatch(r"[a-c]{2,5}", a.text) and a.finish_reason == "stop"
     assert b.text in ("cat", "dog") and b.finish_reason == "stop"
+
+
+# -- over HTTP, through the official openai client ------------------------------------------------
+@pytest.fixture(scope="module")
+def api(smollm2):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from minipaged.engine import LLMEngine
+    from minipaged.server.app import ServerConfig, create_app
+
+    model, tok = smollm2
+    app = create_app(lambda: LLMEngine(model, tok, max_num_seqs=4), ServerConfig(model_names=("smol",)))
+    with TestClient(app) as http:
+        yield http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+def _ask(client, content, **kw):
+    return client.chat.completions.create(model="smol", messages=[{"role": "user", "content": content}], temperature=0,
+                                          max_tokens=64, **kw).choices[0]
+
+
+@pytest.mark.slow
+def test_server_response_format_and_structured_outputs(api):
+    _, client = api
+    obj = _ask(client, "Describe a cat as a JSON object.", response_format={"type": "json_object"})
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.message.content), dict)
+    else:
+        assert obj.message.content.lstrip().startswith("{")
+    person = _ask(client, "Describe a person as JSON.",
+                  response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    assert person.finish_reason == "stop" and set(json.loads(person.message.content)) == {"name", "age"}
+    pick = _ask(client, "Is water wet?", extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert pick.message.content in ("yes", "no") and pick.finish_reason == "stop"
+    old = client.completions.create(model="smol", prompt="Phone:", max_tokens=16, temperature=0,
+                                    extra_body={"guided_regex": r"\d{3}-\d{4}"}).choices[0]
+    assert re.fullmatch(r"\d{3}-\d{4}", old.text)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, "objekt"),
+    ({"structured_outputs": {"regex": "(ab"}}, "parenthesis"),
+    ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "nowhere"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "exactly one"),
+    ({"structured_outputs": {"chioce": ["a"]}}, "unknown key"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema"),
+    ({"response_format": {"type": "xml"}}, "xml"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "one of"),
+])
+def test_server_bad_structured_outputs_are_a_400_naming_the_error(api, extra, words):
+    import openai
+
+    _, client = api
+    with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+        client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       extra_body=extra)
+
+
+def test_server_tools_with_tool_choice_none_are_taken_and_auto_names_the_parser(api):
+    import openai
+
+    _, client = api
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}]
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                       tools=tools, tool_choice="none")
+    assert r.choices[0].message.content is not None
+    for choice in ("auto", None):
+        kw = {"tool_choice": choice} if choice else {}
+        with pytest.raises(openai.BadRequestError, match="tool parser") as e:
+            client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                           tools=tools, **kw)
+        assert "--tool-call-parser" in str(e.value)
