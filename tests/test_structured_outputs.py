@@ -329,3 +329,11 @@ def test_server_tools_with_tool_choice_none_are_taken_and_auto_names_the_parser(
             client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                            tools=tools, **kw)
         assert "--tool-call-parser" in str(e.value)
+
+
+def test_the_plan_names_the_grammar_backend(tiny_model):
+    from minipaged.engine import LLMEngine
+
+    model, tok = tiny_model
+    route = LLMEngine(model, tok, num_blocks=32, block_size=4).plan.routes["structured_outputs"]
+    assert route.startswith("xgrammar")
