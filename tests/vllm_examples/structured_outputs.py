@@ -5,7 +5,7 @@ from pydantic import BaseModel
 from minipaged import LLM, SamplingParams
 from minipaged.sampling_params import StructuredOutputsParams
 
-MAX_TOKENS = 48
+MAX_TOKENS = 100
 
 by_choice = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["Positive", "Negative"]))
 choice_prompt = "Classify this sentiment: the engine is wonderful!"
