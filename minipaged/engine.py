@@ -526,6 +526,7 @@ class LLMEngine:
                     if self.structured is not None:  # a draft the grammar refuses is cut before it is verified
                         self.structured.trim_drafts(self.scheduler.running)
                 out = self.scheduler.schedule()
+                self.last_step_tokens = out.num_batched_tokens  # vllm:iteration_tokens_total
                 if out.is_empty:
                     if not outputs:
                         raise RuntimeError(

@@ -337,3 +337,39 @@ def test_the_plan_names_the_grammar_backend(tiny_model):
     model, tok = tiny_model
     route = LLMEngine(model, tok, num_blocks=32, block_size=4).plan.routes["structured_outputs"]
     assert route.startswith("xgrammar")
+
+
+# -- the server's usage and /metrics (issue 39's other server statements) ---------------------------
+def test_server_usage_counts_cached_prompt_tokens(api):
+    _, client = api
+    long = "Paged attention keeps keys and values in fixed-size blocks. " * 6
+    first = client.completions.create(model="smol", prompt=long, max_tokens=2, temperature=0)
+    second = client.completions.create(model="smol", prompt=long, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens, "the second request's full prompt blocks come from the prefix cache"
+
+
+def test_metrics_have_the_engine_label_iteration_tokens_cache_info_and_every_reason(tiny_model):
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.testclient import TestClient
+
+    from minipaged.engine import LLMEngine
+    from minipaged.server.app import ServerConfig, create_app
+
+    model, tok = tiny_model
+    app = create_app(lambda: LLMEngine(model, tok, num_blocks=64, block_size=4), ServerConfig(model_names=("tiny",)))
+    with TestClient(app) as http:
+        def families():
+            return {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+
+        fresh = families()
+        reasons = {s.labels["finished_reason"] for s in fresh["vllm:request_success"].samples}
+        assert reasons >= {"stop", "length", "abort", "error"}, "every finished_reason series is there before any request"
+        assert all(s.labels.get("engine") == "0" for s in fresh["vllm:request_success"].samples)
+        http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello there", "max_tokens": 3, "temperature": 0})
+        after = families()
+        info = after["vllm:cache_config_info"].samples[0]
+        assert info.value == 1 and info.labels["block_size"] == "4" and info.labels["num_gpu_blocks"] == "64"
+        counts = [s for s in after["vllm:iteration_tokens_total"].samples if s.name.endswith("_count")]
+        assert counts and counts[0].value >= 3, "one observation per engine step"

@@ -132,6 +132,18 @@ class LoopStats:
     extra: dict = field(default_factory=dict)
 
 
+def cache_config_of(eng: Any) -> dict:
+    """What /metrics shows of the engine's KV cache (vllm:cache_config_info) and the last step's
+    scheduled tokens (vllm:iteration_tokens_total)."""
+    cfg = getattr(eng, "config", None)
+    if cfg is None or getattr(eng, "allocator", None) is None:
+        return {}
+    return {"cache_config": {"block_size": cfg.block_size, "num_gpu_blocks": eng.allocator.num_blocks,
+                             "enable_prefix_caching": bool(cfg.enable_prefix_caching),
+                             "cache_dtype": str(getattr(eng, "dtype", "auto")).replace("torch.", "")},
+            "step_tokens": getattr(eng, "last_step_tokens", 0)}
+
+
 class EngineLoop:
     """Owns one engine in one background thread.
 
@@ -438,7 +450,7 @@ class EngineLoop:
             num_steps=getattr(eng, "num_steps", 0),
             num_preemptions=getattr(sched, "num_preemptions", 0),
             last_step_time=now or time.perf_counter(),
-            extra=prefix_cache_counts(eng),
+            extra={**prefix_cache_counts(eng), **cache_config_of(eng)},
         )
         self.stats = st
         if self.metrics is not None:

@@ -425,8 +425,12 @@ def finish_reason(reason: str | None) -> str | None:
     return reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; ``cached_tokens`` (prompt tokens the prefix cache gave) goes in ``prompt_tokens_details``."""
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
 
 
 def _token(tid: int, lp: Any, as_ids: bool = False) -> str:
