@@ -373,3 +373,14 @@ def test_metrics_have_the_engine_label_iteration_tokens_cache_info_and_every_rea
         assert info.value == 1 and info.labels["block_size"] == "4" and info.labels["num_gpu_blocks"] == "64"
         counts = [s for s in after["vllm:iteration_tokens_total"].samples if s.name.endswith("_count")]
         assert counts and counts[0].value >= 3, "one observation per engine step"
+
+
+@pytest.mark.slow
+def test_the_shipped_set_parses_every_output_that_finishes_with_stop(llm):
+    from minipaged.bench.structured import parse_rate, shipped_set, valid
+
+    assert len(shipped_set()) >= 10
+    assert not valid({"regex": r"\d{3}"}, "12a") and not valid({"json": {"type": "object", "required": ["a"]}}, '{"b": 1}')
+    rate = parse_rate(llm)
+    assert rate["finished_with_stop"] >= rate["requests"] // 2, rate["rows"]
+    assert rate["parse_rate"] == 1.0, [r for r in rate["rows"] if r["valid"] is False]
