@@ -251,7 +251,7 @@ class SamplingParams:
                 continue
             if name == "best_of":
                 raise UnsupportedSamplingParam(
-                    f"SamplingParams(best_of={value!r}): best_of was removed in vLLM V1, and minipaged follows V1. "
+                    f"SamplingParams(best_of={value!r}) is unsupported: best_of was removed in vLLM V1, and minipaged follows V1. "
                     f"To keep the best of {value} samples, ask for n={value} (with logprobs=0) and pick the output "
                     "with the highest cumulative_logprob yourself, or use beam search")
             if not any(value == ok and type(value) is type(ok) for ok in unused):

@@ -411,11 +411,11 @@ class EngineLoop:
             state.finished = state.finished or bool(sample.finished)
             if delta or reason is not None:
                 choices.append((i, delta, reason))
+        if out.finished and m is not None:  # counted before the client hears of it: a /metrics read after the answer sees it
+            m.on_finish(out, now - req.arrival, req.params)
         self._send(req, Event("token", output=out, delta="".join(d for i, d, _ in choices if i == 0), choices=choices, time=now))
         if out.finished:
             self._requests.pop(req.request_id, None)
-            if m is not None:
-                m.on_finish(out, now - req.arrival, req.params)
 
     def _fail_step(self, e: Exception) -> None:
         """A step raised: every in-flight request ends with an error, and its blocks are freed."""
