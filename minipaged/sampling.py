@@ -120,7 +120,7 @@ class SamplingParams:
     logits_processors: Any = field(default=None, repr=False)
     truncate_prompt_tokens: int | None = field(default=None, repr=False)
     guided_decoding: Any = field(default=None, repr=False)
-    # a StructuredOutputsParams (minipaged.sampling_params): the grammar the output must follow
+    # a StructuredOutputsParams (minipaged.structured_params): the grammar the output must follow
     structured_outputs: Any = field(default=None, repr=False)
     bad_words: list[str] | None = field(default=None, repr=False)
     output_kind: Any = field(default=None, repr=False)
@@ -165,7 +165,7 @@ class SamplingParams:
         """``structured_outputs``: None or a StructuredOutputsParams (a dict is taken as its fields)."""
         if self.structured_outputs is None:
             return
-        from .sampling_params import StructuredOutputsParams
+        from .structured_params import StructuredOutputsParams
 
         if isinstance(self.structured_outputs, dict):
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))

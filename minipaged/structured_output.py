@@ -35,7 +35,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .sampling_params import StructuredOutputsParams, clean_backend_error
+from .structured_params import StructuredOutputsParams, clean_backend_error
 
 BACKEND = "xgrammar"
 CACHE_SIZE = 128  # compiled grammars kept (least recently used dropped)

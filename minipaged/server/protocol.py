@@ -293,7 +293,7 @@ def structured_outputs_of(req) -> Any:
     (``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": ...}}``),
     ``structured_outputs`` (vLLM's object) or vLLM's older ``guided_*`` fields; at most one.
     A bad schema, regex or grammar is a 400 naming the error, before any work."""
-    from ..sampling_params import StructuredOutputsParams
+    from ..structured_params import StructuredOutputsParams
 
     given: list[tuple[str, dict]] = []
     rf = req.response_format
