@@ -425,4 +425,16 @@ class TensorParallelExecutor:
 
 
 __all__ = ["Shard", "shard_rule", "kv_heads_per_rank", "shard_config", "shard_state", "build_shard_model",
-           "TensorParallelExecutor"]
+           "TensorParallelExecutor", "cleanup_dist_env_and_memory"]
+
+
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """vLLM's clean-up between engines in one script: free what the last engine left (Python's
+    garbage, then the GPU's cached blocks where there is a GPU). minipaged keeps no process group
+    in the driver (tensor-parallel workers end with their executor's ``close()``) and never
+    uses Ray, so ``shutdown_ray`` changes nothing."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

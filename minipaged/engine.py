@@ -283,6 +283,8 @@ class LLMEngine:
                      if spec is not None else None)
         self.inputs = InputProcessor(tokenizer, mcfg.vocab_size)  # prompts -> token ids, requests checked
         self.sampler.decode = self._decode_token if tokenizer is not None else None  # Logprob.decoded_token
+        # structured outputs (minipaged.structured_output): made with the first request that has a grammar
+        self.structured = None
         self._init_books()
 
     def _init_books(self) -> None:
@@ -425,8 +427,18 @@ class LLMEngine:
             token_ids = self.encode_prompt(prompt)
             params = fit_max_tokens(params, sampling_params is not None, len(token_ids), self.config.max_model_len)
             check_parallel_sampling(params, self.scheduler)
+            if params.structured_outputs is not None:  # compiled now: a bad grammar is refused before any work
+                self._grammar().compile(params.structured_outputs)
             self._queue(self._new_request(request_id, prompt, token_ids, params))
             return request_id
+
+    def _grammar(self):
+        """The engine's structured-output state (made on first use: xgrammar is imported then)."""
+        if self.structured is None:
+            from .structured_output import StructuredOutputs
+
+            self.structured = StructuredOutputs(self.tokenizer, self.model.config.vocab_size)
+        return self.structured
 
     def _new_request(self, request_id: str, prompt: Any, token_ids: list[int], params: SamplingParams) -> _Request:
         """The request's sequences (sample 0, and with n > 1 samples 1..n-1 waiting in its forks
@@ -482,6 +494,8 @@ class LLMEngine:
         for q in req.samples:
             self._request_of.pop(q.seq_id, None)
             self.sampler.remove(q.seq_id)
+            if self.structured is not None:
+                self.structured.remove(q.seq_id)
             if self.spec is not None:
                 self.spec.forget(q.seq_id)
             self.totals.retired(q)
@@ -511,7 +525,10 @@ class LLMEngine:
             try:
                 if self.spec is not None:  # drafts for every sequence about to decode
                     self.spec.propose(self.scheduler.running)
+                    if self.structured is not None:  # a draft the grammar refuses is cut before it is verified
+                        self.structured.trim_drafts(self.scheduler.running)
                 out = self.scheduler.schedule()
+                self.last_step_tokens = out.num_batched_tokens  # vllm:iteration_tokens_total
                 if out.is_empty:
                     if not outputs:
                         raise RuntimeError(
@@ -562,7 +579,8 @@ class LLMEngine:
         seqs, tokens, route = self._next_tokens(h, who)
         sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
         if self.spec is not None:  # each verifying sequence's accepted run
-            sampled = self.spec.verify(inputs, hidden, sampled, self.executor.compute_logits, self.sampler)
+            sampled = self.spec.verify(inputs, hidden, sampled, self.executor.compute_logits, self.sampler,
+                                       structured=self.structured)
         self.last_route = f"{self.executor.last_route}+{route}"
         return sampled
 
@@ -584,8 +602,23 @@ class LLMEngine:
         if bad:  # those requests are ended: sample the others only
             keep = [r for r in range(len(seqs)) if r not in bad]
             logits, seqs = logits[keep], [seqs[r] for r in keep]
+        if self.structured is not None and seqs:  # the grammars' token masks, the whole batch at once
+            logits, seqs = self._mask_grammar(logits, seqs)
         tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.sampling_params for s in seqs]) if seqs else []
         return seqs, tokens, "sampler"
+
+    def _mask_grammar(self, logits: torch.Tensor, seqs: list) -> tuple[torch.Tensor, list]:
+        """Mask the constrained rows of ``logits``; a request whose grammar leaves no token is
+        ended with finish_reason "error" (the others are sampled)."""
+        dead = self.structured.apply(logits, seqs)
+        if not dead:
+            return logits, seqs
+        for r, why in dead.items():
+            req = self._request(seqs[r])
+            if req is not None and req.seq.seq_id in self.requests:
+                self._end(req, FinishReason.ERROR, f"structured outputs: {why}")
+        keep = [r for r in range(len(seqs)) if r not in dead and not seqs[r].is_finished]
+        return logits[keep], [seqs[r] for r in keep]
 
     def _step_outputs(self, out: Any, inputs: Any, sampled: dict, now: float) -> list[RequestOutput]:
         """After update(): each sampled sequence's token times, the step counted and traced, and an

@@ -75,7 +75,8 @@ class LLM:
     """
 
     def __init__(self, model: Any = None, tokenizer: Any = None, device: str | torch.device | None = None,
-                 dtype: torch.dtype | str = "auto", seed: int | None = None, **kwargs: Any) -> None:
+                 dtype: torch.dtype | str = "auto", seed: int | None = None, generation_config: Any = "auto",
+                 **kwargs: Any) -> None:
         from .dtypes import resolve_dtype
         from .engine_args import NO_EFFECT, load_tokenizer
 
@@ -83,6 +84,9 @@ class LLM:
             value = kwargs.pop(name)
             if NO_EFFECT[name] and value not in NO_EFFECT[name]:
                 raise ValueError(f"LLM({name}={value!r}) is unsupported by minipaged (no pipeline parallelism, no CUDA graphs); leave it out")
+        from .generation_config import read_generation_config
+
+        self.generation_defaults = read_generation_config(generation_config, model)  # the model's sampling settings
         config, parts = split_kwargs(kwargs)  # before loading anything: a typo costs no load time
         SpeculativeConfig.from_dict(config.speculative_config)  # so does a bad speculative_config
         dtype = resolve_dtype(dtype)  # vLLM's names ("float32", "half", "auto": float32) or a torch dtype
@@ -98,7 +102,13 @@ class LLM:
             self.load_seconds = time.perf_counter() - t
             tokenizer = tokenizer or loaded_tok
         if seed is not None:  # vLLM's seed: unseeded sampled requests repeat from run to run
+            import random
+
+            import numpy as np
+
             torch.manual_seed(seed)
+            random.seed(seed)  # vLLM seeds Python's and numpy's generators too
+            np.random.seed(seed % 2**32)
         self.engine = LLMEngine(model, tokenizer, config, parts)
 
     @property
@@ -110,9 +120,16 @@ class LLM:
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """The sampling parameters ``generate`` and ``chat`` use when given none (vLLM reads the
-        model's generation_config.json; minipaged uses SamplingParams' own defaults)."""
-        return SamplingParams()
+        """The sampling parameters ``generate`` and ``chat`` use when given none: SamplingParams'
+        defaults, with the model's generation_config.json over them (see minipaged.generation_config)."""
+        return SamplingParams(**self.generation_defaults)
+
+    def get_metrics(self) -> list:
+        """vLLM's ``LLM.get_metrics()``: the engine's counters and gauges so far, each with a
+        ``name`` (vLLM's ``vllm:`` names), ``labels`` and ``value`` (see minipaged.metrics_reader)."""
+        from .metrics_reader import engine_metrics
+
+        return engine_metrics(self.engine)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
@@ -134,6 +151,8 @@ class LLM:
                 raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
             params = list(sampling_params)
         else:
+            if sampling_params is None and self.generation_defaults:  # the model's own settings
+                sampling_params = self.get_default_sampling_params()
             params = [sampling_params] * len(prompts)  # None: the engine's default, cut to fit the context
         eng = self.engine
         mail = _mailbox(eng)

@@ -20,6 +20,7 @@ whole_step_decode  c: every layer of a decode step, 1 call off (layer by layer)
 kv_cache           (kv_cache_dtype) fp8/int8 pages        the model's dtype (auto)
 next_token         head-argmax: greedy rows, no logits    sampler over the logits
 prompt_logprobs    one more pass on this table            the model's own forward
+structured_outputs xgrammar: a token bitmask per row      (no other backend; refused without xgrammar)
 =================  =====================================  ==========================================
 
 Every fast route is an ``EngineConfig`` field (None: on where it can be; True: required, refused
@@ -45,7 +46,7 @@ from .model.llama import plain_ops
 from .model.ops import Op, Ops
 
 STAGES = ("kv_write", "decode_attention", "prefill_attention", "linear", "elementwise", "whole_step_decode",
-          "next_token", "prompt_logprobs", "kv_cache")
+          "next_token", "prompt_logprobs", "kv_cache", "structured_outputs")
 TABLE_STAGES = STAGES[:5]  # the stages whose routes are the table's ops
 
 
@@ -414,6 +415,16 @@ def speculative_stage(config: Any, device: torch.device, verified_on: str) -> tu
                if off_at else "")), off_at
 
 
+def structured_outputs_stage() -> str:
+    """Structured outputs: which grammar backend masks the logits (xgrammar), or why there is none."""
+    import importlib.util
+
+    if importlib.util.find_spec("xgrammar") is None:
+        return "unavailable: xgrammar is not installed (pip install xgrammar); a request with a grammar is refused"
+    return ("xgrammar: one matcher per constrained sequence fills its row of a token bitmask, the batch's logits "
+            "masked in one call before the sampler (those rows skip head-argmax)")
+
+
 def prompt_logprobs_stage(table: bool) -> str:
     """prompt_logprobs: one more pass of the prompt, into a scratch cache of its own."""
     if table:
@@ -459,10 +470,12 @@ def build_plan(config: Any, model: nn.Module, device: torch.device, attention: A
               "kv_cache": kv_route}
     if spec_route is not None:
         stages["speculative"] = spec_route
+    stages["structured_outputs"] = structured_outputs_stage()
     return Plan(ops, stages, refused, attn.backend.name, table=table, attention=attn.backend, blocks=blocks,
                 whole_step=whole, rows_as_decodes=rows, head_argmax=head, speculative_batch_limit=limit)
 
 
 __all__ = ["STAGES", "TABLE_STAGES", "Plan", "build_plan", "decide", "mkl_packing_available", "c_kernels_stage",
            "attention_stage", "linear_stage", "elementwise_stage", "whole_step_stage", "next_token_stage",
-           "speculative_stage", "prompt_logprobs_stage", "own_model_refusal", "kv_cache_stage", "C_READS_QUANTIZED"]
+           "speculative_stage", "structured_outputs_stage", "prompt_logprobs_stage", "own_model_refusal", "kv_cache_stage",
+           "C_READS_QUANTIZED"]

@@ -54,7 +54,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,),
     "guided_decoding": (None,),
-    "structured_outputs": (None,),
     "bad_words": (None, []),
     "output_kind": (None,),
     "extra_args": (None, {}),
@@ -121,6 +120,7 @@ class SamplingParams:
     logits_processors: Any = field(default=None, repr=False)
     truncate_prompt_tokens: int | None = field(default=None, repr=False)
     guided_decoding: Any = field(default=None, repr=False)
+    # a StructuredOutputsParams (minipaged.structured_params): the grammar the output must follow
     structured_outputs: Any = field(default=None, repr=False)
     bad_words: list[str] | None = field(default=None, repr=False)
     output_kind: Any = field(default=None, repr=False)
@@ -159,6 +159,22 @@ class SamplingParams:
         self._refuse_unsupported()
         self._check_choice()
         self._check_counts_and_logits()
+        self._check_structured()
+
+    def _check_structured(self) -> None:
+        """``structured_outputs``: None or a StructuredOutputsParams (a dict is taken as its fields)."""
+        if self.structured_outputs is None:
+            return
+        from .structured_params import StructuredOutputsParams
+
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
+        if not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a minipaged.sampling_params.StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
+        if self.ignore_eos:
+            raise ValueError("structured_outputs with ignore_eos=True: a satisfied grammar ends the text with EOS, "
+                             "which ignore_eos would skip; leave ignore_eos False (max_tokens still bounds the length)")
 
     def _check_choice(self) -> None:
         """How a token is chosen and when the text stops: max_tokens, temperature, the filters,
@@ -233,6 +249,11 @@ class SamplingParams:
             value = getattr(self, name)
             if name == "best_of" and value in (None, self.n):
                 continue
+            if name == "best_of":
+                raise UnsupportedSamplingParam(
+                    f"SamplingParams(best_of={value!r}) is unsupported: best_of was removed in vLLM V1, and minipaged follows V1. "
+                    f"To keep the best of {value} samples, ask for n={value} (with logprobs=0) and pick the output "
+                    "with the highest cumulative_logprob yourself, or use beam search")
             if not any(value == ok and type(value) is type(ok) for ok in unused):
                 raise _unsupported(name, value)
 
@@ -249,6 +270,7 @@ class SamplingParams:
         """True when the next token cannot be taken as the plain argmax of the model's head
         (logprobs are wanted, or something changes the logits first)."""
         return (not self.greedy or self.logprobs is not None or self.min_tokens > 0 or bool(self.logit_bias)
+                or self.structured_outputs is not None
                 or self.allowed_token_ids is not None or self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 

@@ -383,11 +383,15 @@ class SpecDecoder:
                 seq.spec_token_ids = []
 
     # after the forward pass
-    def verify(self, inputs: Any, hidden: Any, sampled: dict, compute_logits: Callable, sampler: Any) -> dict:
+    def verify(self, inputs: Any, hidden: Any, sampled: dict, compute_logits: Callable, sampler: Any,
+               structured: Any = None) -> dict:
         """``sampled`` holds each sequence's token at its last real position (the engine's usual
         choice); for a sequence that verified ``d > 0`` drafts, it becomes the accepted run (a list:
         kept drafts, then the target's next token). ``inputs``: the runner's StepInputs
-        (``sample_rows`` and ``num_drafts``); ``compute_logits(hidden_rows)``: the executor's."""
+        (``sample_rows`` and ``num_drafts``); ``compute_logits(hidden_rows)``: the executor's.
+        ``structured`` (the engine's StructuredOutputs, or None): a constrained sequence's target at
+        each position is chosen from logits masked by its grammar after the drafts before it, so
+        a draft the grammar refuses is never kept."""
         import torch
 
         spec = [(i, s, d) for i, (s, d) in enumerate(zip(inputs.samplers, inputs.num_drafts))
@@ -407,9 +411,12 @@ class SpecDecoder:
             first = sampled[seq.seq_id]
             base = at
 
-            def target_at(j: int, base=base, first=first, seq=seq, params=params) -> int:
+            def target_at(j: int, base=base, first=first, seq=seq, params=params, draft=draft) -> int:
                 if j == 0:
                     return first
+                if structured is not None and structured.wants(seq):
+                    row = structured.mask_after(seq, draft[:j], logits[base + j - 1 : base + j])
+                    return int(row.argmax()) if params.greedy else sampler(row, [seq.seq_id], [params])[0]
                 if params is None or params.greedy:
                     return argmax[base + j - 1]
                 return sampler(logits[base + j - 1 : base + j], [seq.seq_id], [params])[0]

@@ -100,5 +100,5 @@ def test_a_server_with_speculation_on_reports_them_on_metrics(tiny_model):
     assert s["num_drafts"] > 0 and s["num_accepted_tokens"] > 0, s
     for name, key in zip(NAMES, ("num_drafts", "num_draft_tokens", "num_accepted_tokens")):
         assert m.get(name) == s[key] and m[name] > 0, (name, m.get(name), s)
-    assert m[f'{PER_POS}{{model_name="tiny",position="0"}}'] > 0
+    assert m[f'{PER_POS}{{engine="0",model_name="tiny",position="0"}}'] > 0
     assert sum(v for k, v in m.items() if k.startswith(PER_POS + "{")) == s["num_accepted_tokens"]

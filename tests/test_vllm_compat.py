@@ -253,9 +253,9 @@ def test_server_refuses_what_it_would_silently_get_wrong(app_client):
     import openai
 
     _, _, client = app_client
-    with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
+    with pytest.raises(openai.BadRequestError, match="tool parser"):  # a tool call would never be read out
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                       response_format={"type": "json_object"})
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     with pytest.raises(openai.BadRequestError, match="bad_words is not supported") as e:
         client.completions.create(model="tiny", prompt="Hi", extra_body={"bad_words": ["x"]})
     assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] == "bad_words"

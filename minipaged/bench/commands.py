@@ -24,6 +24,7 @@ BENCH_COMMANDS = [
     ("prefix", ".bench.prefix", "a shared system prompt with the prefix cache on and off"),
     ("spec", ".bench.spec", "speculative decoding (n-gram drafts) on and off, on a repeating workload and free chat"),
     ("kvquant", ".bench.kvquant", "8-bit KV pages (kv_cache_dtype) against auto: quality, speed, sequences that fit"),
+    ("structured", ".bench.structured", "structured outputs: the grammar mask's time per step at batch 1, 16, 64, and the parse rate"),
     ("paper", ".bench.gpu.paper", "the PagedAttention paper's Figs. 12-13 on a simulated GPU (real scheduler, no model)"),
     ("serve", ".bench.serve", "load-generate against an OpenAI-compatible server (minipaged or vLLM)"),
 ]

@@ -275,6 +275,7 @@ class _Call:
         self.unfinished = set(sub_ids)
         self.buffered: list[Event] = []
         self.prompt_tokens: dict[str, int] = {}
+        self.cached_tokens: dict[str, int] = {}  # prompt tokens the prefix cache gave (usage.prompt_tokens_details)
         self.completion_tokens: dict[str, int] = {}
         self.top_logprobs: int | None = None  # logprobs asked for: this many top tokens per position
         self.echo: dict[str, str] | None = None  # completions with echo: each prompt's text
@@ -332,6 +333,7 @@ class _Call:
             self.unfinished.discard(ev.request_id)
         if ev.output is not None:
             self.prompt_tokens[ev.request_id] = len(ev.output.prompt_token_ids)
+            self.cached_tokens[ev.request_id] = int(getattr(ev.output, "num_cached_tokens", None) or 0)
             self.completion_tokens[ev.request_id] = sum(len(x.token_ids) for x in samples_of(ev.output))
 
     async def wait_first(self, request: Request) -> None:
@@ -351,7 +353,7 @@ class _Call:
         self.unfinished.clear()
 
     def _usage(self) -> dict:
-        return P.usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+        return P.usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()), sum(self.cached_tokens.values()))
 
     def _logprobs(self, entries: list, offset: int = 0) -> dict:
         n = self.top_logprobs or 0
@@ -389,8 +391,10 @@ class _Call:
                     if self.top_logprobs is not None:
                         logprobs[c] = self._logprobs(self._entries(ev.output, sample))
         choices = [{"index": i, "text": texts[i], "finish_reason": reasons.get(i), "logprobs": logprobs.get(i)} for i in sorted(texts)]
-        return P.completion_body(self.kind, self.rid, self.model, choices, sum(self.prompt_tokens.values()),
+        body = P.completion_body(self.kind, self.rid, self.model, choices, sum(self.prompt_tokens.values()),
                                  sum(self.completion_tokens.values()), self.created)
+        body["usage"] = self._usage()  # with prompt_tokens_details.cached_tokens
+        return body
 
     async def stream(self, include_usage: bool) -> AsyncIterator[bytes]:
         pending = list(self.buffered)
@@ -419,8 +423,10 @@ class _Call:
                     yield P.sse(P.chunk(self.kind, self.rid, self.model, self.created, c, delta, P.finish_reason(reason),
                                         logprobs=lp, usage_so_far=self._usage() if self.continuous_usage else None))
             if include_usage:
-                yield P.sse(P.usage_chunk(self.kind, self.rid, self.model, self.created,
-                                          sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())))
+                last = P.usage_chunk(self.kind, self.rid, self.model, self.created,
+                                     sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+                last["usage"] = self._usage()
+                yield P.sse(last)
             yield P.sse("[DONE]")
         finally:  # the client went away (the response was cancelled) or an error ended it
             self.abort_unfinished()

@@ -132,6 +132,18 @@ class LoopStats:
     extra: dict = field(default_factory=dict)
 
 
+def cache_config_of(eng: Any) -> dict:
+    """What /metrics shows of the engine's KV cache (vllm:cache_config_info) and the last step's
+    scheduled tokens (vllm:iteration_tokens_total)."""
+    cfg = getattr(eng, "config", None)
+    if cfg is None or getattr(eng, "allocator", None) is None:
+        return {}
+    return {"cache_config": {"block_size": cfg.block_size, "num_gpu_blocks": eng.allocator.num_blocks,
+                             "enable_prefix_caching": bool(cfg.enable_prefix_caching),
+                             "cache_dtype": str(getattr(eng, "dtype", "auto")).replace("torch.", "")},
+            "step_tokens": getattr(eng, "last_step_tokens", 0)}
+
+
 class EngineLoop:
     """Owns one engine in one background thread.
 
@@ -399,11 +411,11 @@ class EngineLoop:
             state.finished = state.finished or bool(sample.finished)
             if delta or reason is not None:
                 choices.append((i, delta, reason))
+        if out.finished and m is not None:  # counted before the client hears of it: a /metrics read after the answer sees it
+            m.on_finish(out, now - req.arrival, req.params)
         self._send(req, Event("token", output=out, delta="".join(d for i, d, _ in choices if i == 0), choices=choices, time=now))
         if out.finished:
             self._requests.pop(req.request_id, None)
-            if m is not None:
-                m.on_finish(out, now - req.arrival, req.params)
 
     def _fail_step(self, e: Exception) -> None:
         """A step raised: every in-flight request ends with an error, and its blocks are freed."""
@@ -438,7 +450,7 @@ class EngineLoop:
             num_steps=getattr(eng, "num_steps", 0),
             num_preemptions=getattr(sched, "num_preemptions", 0),
             last_step_time=now or time.perf_counter(),
-            extra=prefix_cache_counts(eng),
+            extra={**prefix_cache_counts(eng), **cache_config_of(eng)},
         )
         self.stats = st
         if self.metrics is not None:

@@ -43,12 +43,14 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r, lab = self.registry, {"model_name": model_name}
+        r, lab = self.registry, {"model_name": model_name, "engine": "0"}  # vLLM V1's labels: one engine, index 0
         self._labels = lab
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -70,6 +72,12 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
+        for reason in FINISHED_REASONS:  # every series from the start, so a rate() over them never misses one
+            self.success.labels(finished_reason=reason, **lab)
+        self.iteration_tokens = hist("iteration_tokens_total", "Tokens scheduled in one engine step (prefill and decode).",
+                                     ITERATION_BUCKETS)
+        self.cache_info: Any = None  # vllm:cache_config_info, set at the first step
+        self._seen_steps = 0
         self.rejected = counter("request_rejected", "Requests refused (invalid, overloaded, engine error), by reason.", ("reason",))
         self.aborted = counter("request_aborted", "Requests aborted (the client went away, or shutdown).")
         self._counter = counter
@@ -95,6 +103,14 @@ class ServerMetrics:
 
     # -- hooks (called on the engine thread) -----------------------------------------------
     def on_step(self, st: Any) -> None:
+        cache = st.extra.get("cache_config")
+        if cache and self.cache_info is None:
+            self.cache_info = Gauge(PREFIX + "cache_config_info", "The KV cache's settings (labels); the value is 1.",
+                                    list(self._labels) + sorted(cache), registry=self.registry)
+            self.cache_info.labels(**self._labels, **{k: str(v) for k, v in cache.items()}).set(1)
+        if st.extra.get("step_tokens") and st.num_steps > self._seen_steps:
+            self.iteration_tokens.observe(st.extra["step_tokens"])
+            self._seen_steps = st.num_steps
         self.running.set(st.num_running)
         self.waiting.set(st.num_waiting)
         self.blocks_used.set(st.num_used_blocks)

@@ -8,7 +8,9 @@ engine itself refuses (token ids out of range, a prompt too long) comes back thr
 Known fields are strict: a wrong type is an error (``"max_tokens": "5"`` is not 5, ``true`` is
 not 1). An unknown field is ignored and logged once (vLLM does the same, and clients such as
 guidellm and aiperf send fields of their own); a field minipaged does not implement and that
-would change the answer (tools, response_format, guided decoding, ...) is refused when it is set.
+would change the answer (suffix, bad_words, ...) is refused when it is set. ``response_format``,
+``structured_outputs`` and vLLM's ``guided_*`` fields constrain the text (structured outputs);
+``tools`` are taken with ``tool_choice: "none"`` only (there is no tool parser).
 """
 from __future__ import annotations
 
@@ -82,16 +84,8 @@ def internal_error(message: str) -> APIError:
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "bad_words": (None, []),
     "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,),
@@ -139,6 +133,13 @@ class _Common(BaseModel):
     spaces_between_special_tokens: bool = True  # vLLM's extension
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     return_tokens_as_token_ids: Optional[bool] = None  # vLLM's extension: logprobs name tokens "token_id:<id>"
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older guided_* fields
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     @field_validator("stop")
     @classmethod
@@ -225,6 +226,8 @@ def parse_request(kind: Literal["completion", "chat"], data: Any):
     if kind == "chat" and "prompt" in data and "messages" not in data:
         raise bad_request("prompt: this is a completion request; send it to /v1/completions (or give messages)", "prompt")
     known = set(cls.model_fields)
+    data = dict(data)
+    check_tools(data)
     body = {}
     for key, value in data.items():
         if key in UNSUPPORTED:
@@ -259,6 +262,69 @@ def parse_request(kind: Literal["completion", "chat"], data: Any):
             raise bad_request("continue_final_message needs the last message to be the assistant's, and "
                               "\"add_generation_prompt\": false", "continue_final_message")
     return req
+
+
+TOOL_PARSER_MISSING = ("tool_choice \"auto\" needs a tool parser to read tool calls out of the model's text, and this "
+                       "server has none (vLLM starts one with --enable-auto-tool-choice --tool-call-parser NAME); send "
+                       "tool_choice \"none\" to chat without tool calls, or leave tools out")
+
+
+def check_tools(data: dict) -> None:
+    """``tools`` are taken with ``tool_choice: "none"`` (the model answers in text; no tool is
+    called); any other choice needs a tool parser, which minipaged has not: 400 saying so."""
+    tools, choice = data.pop("tools", None), data.pop("tool_choice", None)
+    data.pop("parallel_tool_calls", None)
+    if tools is not None and not isinstance(tools, list):
+        raise bad_request(f"tools must be a list of tool definitions, got {type(tools).__name__}", "tools")
+    if choice not in (None, "none", "auto", "required") and not isinstance(choice, dict):
+        raise bad_request(f"tool_choice must be \"none\", \"auto\", \"required\" or a named function, got {json.dumps(choice)[:60]}",
+                          "tool_choice")
+    if choice == "none" or (not tools and choice in (None, "auto")):
+        return
+    if choice in (None, "auto"):
+        raise bad_request(TOOL_PARSER_MISSING, "tool_choice", "unsupported_parameter")
+    raise bad_request(f"tool_choice {json.dumps(choice)[:60]} (a forced tool call) is not supported by minipaged: it has "
+                      "no tool parser; send tool_choice \"none\", or ask for JSON with response_format", "tool_choice",
+                      "unsupported_parameter")
+
+
+def structured_outputs_of(req) -> Any:
+    """The request's StructuredOutputsParams (None: free text) from ``response_format``
+    (``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": ...}}``),
+    ``structured_outputs`` (vLLM's object) or vLLM's older ``guided_*`` fields; at most one.
+    A bad schema, regex or grammar is a 400 naming the error, before any work."""
+    from ..structured_params import StructuredOutputsParams
+
+    given: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+            if not isinstance(schema, (dict, str)):
+                raise bad_request("response_format: {\"type\": \"json_schema\"} needs \"json_schema\": {\"name\": ..., "
+                                  "\"schema\": {...}}", "response_format")
+            given.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise bad_request(f"response_format type must be \"text\", \"json_object\" or \"json_schema\", got "
+                              f"{json.dumps(kind)[:40]}", "response_format", "unsupported_parameter")
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", dict(req.structured_outputs)))
+    for old, new in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        if getattr(req, old) is not None:
+            given.append((old, {new: getattr(req, old)}))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"give one of response_format, structured_outputs and guided_*, not {[g for g, _ in given]}", given[1][0])
+    name, fields = given[0]
+    try:
+        return StructuredOutputsParams.from_dict(fields)
+    except (ValueError, TypeError) as e:
+        raise bad_request(f"{name}: {e}", name) from None
 
 
 def prompts_of(req) -> list[Any]:
@@ -334,6 +400,9 @@ def sampling_params_of(req, default_max_tokens: int) -> SamplingParams:
             kw["prompt_logprobs"] = req.logprobs
     if req.prompt_logprobs is not None:
         kw["prompt_logprobs"] = req.prompt_logprobs
+    so = structured_outputs_of(req)
+    if so is not None:
+        kw["structured_outputs"] = so
     if req.n != 1:
         if not supports_n():
             raise bad_request(f"n > 1 is not supported yet by this engine (got n={req.n}): send n separate requests", "n", "unsupported_parameter")
@@ -356,8 +425,12 @@ def finish_reason(reason: str | None) -> str | None:
     return reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; ``cached_tokens`` (prompt tokens the prefix cache gave) goes in ``prompt_tokens_details``."""
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
 
 
 def _token(tid: int, lp: Any, as_ids: bool = False) -> str:
