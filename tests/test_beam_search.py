@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from conftest import tiny_hf_model
 from minipaged import BeamSearchParams
-from minipaged.beam_search import (BeamSearchOutput, beam_score, reference_beam_search, select_beams,
+from minipaged.beam_search import (BeamSearchOutput, SharingCounter, beam_score, reference_beam_search, select_beams,
                                    sharing_saving, worst_case_blocks)
 from minipaged.engine import LLMEngine
 from minipaged.parts import check_scheduler
@@ -44,6 +44,10 @@ def test_sharing_saving_on_a_hand_built_case():
     assert saving == pytest.approx(3 / 8)  # blocks saved by sharing / blocks needed without it
     assert sharing_saving([[0, 1], [2, 3]])[2] == 0.0  # nothing shared, nothing saved
     assert sharing_saving([]) == (0, 0, 0.0)
+    counter = SharingCounter()  # over a run: each step weighs the same
+    counter.add(tables)  # 8 needed, 5 held
+    counter.add([[0, 1], [2, 3]])  # 4 needed, 4 held
+    assert (counter.logical, counter.physical) == (12, 9) and counter.saving == pytest.approx(3 / 12)
 
 
 def test_beam_score_and_selection_by_hand():
