@@ -242,3 +242,18 @@ def test_beam_search_equals_transformers(smollm2, hf_smollm2, width):
         assert best.tokens[-len(best.output_token_ids):] == best.output_token_ids
     assert llm.engine.stats()["sharing"]["saving"] > 0
     assert any(r.copied for r in llm.engine.trace.steps)  # copy-on-write happened, and was traced
+
+
+def test_llm_beam_search_reports_a_rejected_prompt_and_serves_the_others(tiny):
+    from minipaged import LLM
+
+    _, model = tiny
+    llm = LLM(model, None, block_size=4, num_blocks=8, max_num_seqs=4, enable_prefix_caching=False)
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    with pytest.warns(UserWarning, match="rejected"):
+        big, small = llm.beam_search([{"prompt_token_ids": list(range(3, 33))}, {"prompt_token_ids": [5, 6, 7]}], params)
+    assert big.sequences == [] and "16 KV blocks" in big.error and "pool has 8" in big.error
+    assert small.error is None and len(small.sequences) == 2
+    assert all(s.tokens[:3] == [5, 6, 7] and len(s.output_token_ids) <= 3 for s in small.sequences)
+    with pytest.raises(ValueError, match="max_num_seqs=4"):
+        llm.beam_search([[5, 6]], BeamSearchParams(beam_width=5, max_tokens=3))
