@@ -34,6 +34,9 @@ def __getattr__(name):  # the engine pulls in the model code: import it only whe
     if name in ("StructuredOutputsParams", "GuidedDecodingParams"):
         from .sampling_params import StructuredOutputsParams
         return StructuredOutputsParams
+    if name in ("BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"):
+        from . import beam_search
+        return getattr(beam_search, name)
     if name == "EngineArgs":
         from .engine_args import EngineArgs
         return EngineArgs

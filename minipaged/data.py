@@ -61,6 +61,10 @@ class Sequence:
     # verified. The scheduler budgets them after the sequence's own tokens; the update keeps the
     # accepted ones (as output tokens) and rolls the others back. Empty when not speculating.
     spec_token_ids: list = field(default_factory=list)
+    # beam search: the request's BeamGroup (minipaged.beam_search) when this sequence is one of its
+    # beams (None otherwise). A beam's next token is chosen by the group, across all its beams, not
+    # by the sampler: update() moves its computed tokens but appends none.
+    beam: Any = None
     # the one rule that decides when this request is done (detokenizer.StopChecker, made by
     # StopChecker.for_sequence): the engine attaches one with the tokenizer and stop strings,
     # the scheduler one for a sequence that has none when its first token is sampled

@@ -53,6 +53,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: F4
 from .sampling import Sampler, SamplingParams, prompt_logprobs_of
 from .scheduler import Scheduler
 from .spec_decode import SpecDecoder, SpeculativeConfig
+from .beam_search import BeamSearchParams, SharingCounter, advance_beams, observe_beams, queue_beam_search
 
 
 @dataclass
@@ -299,6 +300,8 @@ class LLMEngine:
         self.num_steps = 0
         self.last_route: str | None = None  # what the last step ran (see Executor.last_route)
         self.route_counts: collections.Counter = collections.Counter()  # steps per route
+        self._beams: dict = {}  # request id -> BeamGroup, for beam search requests (beam_search.py)
+        self.sharing = SharingCounter()  # blocks the running tables would need without sharing, and hold
         self.trace = None
         if self.config.record_trace:
             from .trace import Trace
@@ -440,6 +443,14 @@ class LLMEngine:
             self.structured = StructuredOutputs(self.tokenizer, self.model.config.vocab_size)
         return self.structured
 
+    def add_beam_request(self, prompt: Any, params: BeamSearchParams, request_id: Any = None) -> str:
+        """Queue a beam search (``LLM.beam_search`` uses it) and return its request id. Its beams are
+        sequences of this one request; its one output, when every beam is done, holds the
+        ``beam_width`` best hypotheses (best first) as samples. Bad params are a ValueError; a search
+        that can never fit the pool is rejected, saying why (its output comes from the next step)."""
+        with self._guard:
+            return queue_beam_search(self, prompt, params, request_id)
+
     def _new_request(self, request_id: str, prompt: Any, token_ids: list[int], params: SamplingParams) -> _Request:
         """The request's sequences (sample 0, and with n > 1 samples 1..n-1 waiting in its forks
         until the prompt is computed once), each with its stop checker; and its prompt logprobs."""
@@ -491,6 +502,7 @@ class LLMEngine:
 
     def _retire(self, req: _Request) -> None:
         self.requests.pop(req.seq.seq_id, None)
+        self._beams.pop(req.seq.seq_id, None)
         for q in req.samples:
             self._request_of.pop(q.seq_id, None)
             self.sampler.remove(q.seq_id)
@@ -542,13 +554,14 @@ class LLMEngine:
                 self.route_counts[self.last_route] += 1
                 now = time.perf_counter() - self.t0
                 self.scheduler.update(out, sampled)
+                beam_outputs = advance_beams(self) if self._beams else []
                 if self.spec is not None:  # drafts of sequences the budget left out this step go too
                     self.spec.clear(self.scheduler.running)
             except Exception as e:
                 return outputs + self._fail_step(out, e)
             outputs += self._pending  # requests a non-finite value ended in this step
             self._pending = []
-            return outputs + self._step_outputs(out, inputs, sampled, now)
+            return outputs + self._step_outputs(out, inputs, sampled, now) + beam_outputs
 
     def _run_model(self, out: Any) -> tuple[Any, torch.Tensor]:
         """The model's forward pass over the scheduled tokens: (the runner's inputs, hidden states).
@@ -569,6 +582,8 @@ class LLMEngine:
         """The next token of every live sequence whose prompt is computed, by seq id (with
         speculative decoding: each verifying sequence's accepted run); sets ``last_route``."""
         live = [k for k, s in enumerate(inputs.samplers) if not s.seq.is_finished]
+        if self._beams:  # beams: their candidates go to their group, which chooses after update()
+            live = observe_beams(self, inputs, hidden, live)
         samplers = [inputs.samplers[k] for k in live]
         if not samplers:
             self.last_route = f"{self.executor.last_route}+none"
@@ -625,6 +640,9 @@ class LLMEngine:
         output for every request that changed (a finished one retired)."""
         changed = _stamp_token_times([q for s in inputs.samplers for q in self._samples_of(s.seq)], sampled, now)
         self.num_steps += 1
+        self.sharing.add(q.block_table.blocks for q in self.scheduler.running if q.block_table is not None)
+        for group in self._beams.values():
+            group.sharing.add(q.block_table.blocks for q in group.beams if q.block_table is not None)
         if self.trace is not None:
             self.trace.record(self.scheduler, out, now, route=self.last_route)
         outputs, seen = [], set()

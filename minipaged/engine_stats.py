@@ -63,6 +63,9 @@ def engine_stats(engine: Any) -> dict:
         "routes": dict(engine.route_counts),  # steps per route ("whole_step+head_argmax", "layers+sampler", ...)
         "preemptions": t.preemptions + sum(q.num_preemptions for q in live),
     }
+    sharing = getattr(engine, "sharing", None)
+    if sharing is not None:  # the paper's memory saving: blocks saved by sharing / blocks needed without it
+        info["sharing"] = sharing.as_dict()
     if engine.spec is not None:  # acceptance rate, mean acceptance length (vLLM's spec-decode counts)
         info["spec_decode"] = engine.spec.as_dict()
     if engine.prefix_cache is not None:

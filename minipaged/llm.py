@@ -217,6 +217,43 @@ class LLM:
             if bar is not None:
                 bar.close()
 
+    def beam_search(self, prompts: Any, params: "BeamSearchParams", use_tqdm: bool = False) -> list:
+        """vLLM's offline beam search: per prompt a ``BeamSearchOutput`` whose ``sequences`` are the
+        ``params.beam_width`` best hypotheses, best first (``tokens`` include the prompt's, ``text``
+        is their text, ``cum_logprob`` the generated tokens' summed log-probability). All prompts'
+        beams run together, sharing blocks (see minipaged.beam_search). A search that can never fit
+        is not fatal: its output is empty, ``error`` says why, and the others are served."""
+        from .beam_search import BeamSearchOutput, BeamSearchParams
+
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a minipaged.BeamSearchParams, got {type(params).__name__}")
+        params.validate(self.engine.config.max_num_seqs)
+        prompts = as_prompt_list(prompts)
+        eng = self.engine
+        mail = _mailbox(eng)
+        ids: list = []
+        mine: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        try:
+            for prompt in prompts:
+                rid = eng.add_beam_request(prompt, params)
+                ids.append(rid)
+                mail.claim(rid)
+                mine.append(rid)
+            self._wait(mine, done, use_tqdm)
+        finally:
+            for rid in mine:
+                mail.release(rid)
+                if rid not in done:
+                    eng.abort_request(rid)
+        results = []
+        for rid in ids:
+            o = done[rid]
+            if o.finish_reason in ("rejected", "error"):
+                warnings.warn(f"beam search {rid} {o.finish_reason}: {o.error}", stacklevel=2)
+            results.append(BeamSearchOutput(list(getattr(o, "beam_sequences", [])), request_id=rid, error=o.error))
+        return results
+
     def chat(self, messages: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_content_format: str = "auto",

@@ -44,7 +44,8 @@ class Scheduler:
     """
 
     # Non-default settings this class's schedule() handles (see interfaces.py).
-    supports = frozenset({"chunked_prefill_off", "prefix_caching", "parallel_sampling", "speculative_decoding"})
+    supports = frozenset({"chunked_prefill_off", "prefix_caching", "parallel_sampling", "speculative_decoding",
+                          "beam_search"})
 
     def __init__(
         self, allocator: Any, block_table_cls: type | None = None, config: EngineConfig | None = None, **settings: Any
@@ -108,6 +109,13 @@ class Scheduler:
         if self.max_model_len is not None:
             total = min(total, self.max_model_len)
         need = cdiv(total, bs)
+        group = getattr(seq, "beam", None)
+        if group is not None:  # beam search: every beam may end up holding a whole copy (after a preemption)
+            need = group.worst_case_blocks(bs)
+            if need > pool:
+                return (f"beam search with beam_width={group.params.beam_width} may need {need} KV blocks (each beam a "
+                        f"whole copy of prompt {seq.num_prompt_tokens} + max_tokens {seq.max_tokens}, block size {bs}) "
+                        f"but the whole pool has {pool}: lower beam_width or max_tokens, or give the engine a larger KV budget")
         if need > pool:
             return (
                 f"needs {need} KV blocks (prompt {seq.num_prompt_tokens} + max_tokens {seq.max_tokens}, "
@@ -139,6 +147,9 @@ class Scheduler:
             # speculative decoding: the same rule, with the drafts counted after the sequence's tokens
             drafts = seq.spec_token_ids
             n = min(seq.num_tokens + len(drafts) - seq.num_computed_tokens, budget)
+            if n <= 0:  # a beam whose candidates wait for its siblings': nothing to compute this step
+                i += 1
+                continue
             table = seq.block_table
             start = seq.num_computed_tokens
             while table.blocks_needed(n) + num_cow_blocks(table, start, start + n) > self.allocator.num_free_blocks:
@@ -197,7 +208,26 @@ class Scheduler:
             budget -= n
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if not out.scheduled and self.waiting and any(getattr(q, "beam", None) is not None for q in self.running):
+            return self._unblock_beams(out)
         return out
+
+    def _unblock_beams(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Nothing ran, and beams hold blocks: every running sequence is a beam waiting for a
+        sibling that waits for blocks they hold. Send them all back (each beam search's sequences
+        together, in arrival order) and schedule again: the first search then fits the pool alone."""
+        idle = list(self.running)
+        if not all(getattr(q, "beam", None) is not None for q in idle):
+            return out
+        for q in reversed(idle):
+            self._preempt(q)
+        first: dict = {}
+        for k, q in enumerate(self.waiting):
+            first.setdefault(id(q.beam) if q.beam is not None else id(q), k)
+        self.waiting = deque(sorted(self.waiting, key=lambda q: first[id(q.beam) if q.beam is not None else id(q)]))
+        again = self.schedule()
+        again.preempted = out.preempted + idle + again.preempted
+        return again
 
     def update(self, out: SchedulerOutput, sampled: dict) -> list[Sequence]:
         """Apply a step's results: move ``num_computed_tokens``, append sampled tokens, finish.
@@ -226,8 +256,8 @@ class Scheduler:
                 cache_computed_blocks(self.allocator, seq.token_ids + (run[:-1] if run else []), seq.block_table.blocks,
                                       s.start, seq.num_computed_tokens)
             seq.spec_token_ids = []
-            if not s.samples:
-                continue
+            if not s.samples or getattr(seq, "beam", None) is not None:
+                continue  # (a beam's token is chosen by its group, after this update)
             if seq.seq_id not in sampled:
                 raise KeyError(f"no sampled token for sequence {seq.seq_id!r}, which finished its prefill this step")
             self._give_stop_checker(seq)

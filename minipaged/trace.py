@@ -53,6 +53,13 @@ class StepRecord:
     # forward, layer by layer on the plan's table) or "model" (the plain forward), then "+" the
     # next token's route, "head_argmax" or "sampler" (None: a simulated step, no model ran)
     route: str | None = None
+    # copy-on-write in this step: (shared source block, its fresh copy) pairs, copied before the write
+    copied: tuple = ()
+
+    @property
+    def shared_blocks(self) -> list[int] | None:
+        """Physical blocks that several tables hold after the step (None: no pages)."""
+        return None if self.owners is None else [b for b, o in enumerate(self.owners) if isinstance(o, tuple)]
 
     @property
     def hit_rate(self) -> float | None:
@@ -74,6 +81,7 @@ class StepRecord:
             "blocks_used": self.blocks_used, "blocks_free": self.blocks_free,
             "hit_tokens": self.hit_tokens, "queried_tokens": self.queried_tokens,
             "cached_blocks": self.cached_blocks, "evictions": self.evictions,
+            "copied": [list(p) for p in self.copied],
         }
         if self.owners is not None:
             d["owners"] = [list(o) if isinstance(o, tuple) else o for o in self.owners]
@@ -162,7 +170,7 @@ class Trace:
             prefill_tokens=prefill, decode_tokens=decode, sampled_tokens=sampled,
             preemptions=scheduler.num_preemptions, reserved_slots=reserved, used_slots=used, slots=slots,
             blocks_used=parts.num_used_blocks(alloc), blocks_free=alloc.num_free_blocks, owners=owners, tables=tables,
-            route=route,
+            route=route, copied=tuple(tuple(p) for p in getattr(output, "blocks_to_copy", ()) or ()),
         )
         stats = getattr(scheduler, "prefix_stats", None)
         if stats is not None and getattr(scheduler, "prefix_caching", False):
@@ -214,6 +222,17 @@ class Trace:
             reserved += w * r.reserved_slots
             wasted += w * r.wasted_slots
         return wasted / reserved if reserved else 0.0
+
+    def sharing_saving(self) -> float:
+        """The paper's memory saving over the run: blocks saved by sharing / blocks the tables
+        would need without it, summed over the steps (0.0 when nothing was shared)."""
+        logical = physical = 0
+        for r in self.steps:
+            if r.tables is None:
+                continue
+            logical += sum(len(b) for b, _ in r.tables.values())
+            physical += len({x for b, _ in r.tables.values() for x in b})
+        return (logical - physical) / logical if logical else 0.0
 
     @property
     def peak_blocks_used(self) -> int | None:
