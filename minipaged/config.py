@@ -67,6 +67,11 @@ class EngineConfig:
     # "prompt_lookup_max": n, "prompt_lookup_min": m} (minipaged/spec_decode.py; its values are
     # checked when the engine is built), or None: one token a step.
     speculative_config: dict | None = None
+    # -- where KV lives besides the device pool (minipaged/kv_connector.py) ---------------------
+    # A host-memory tier of this many GiB under the device pool (vLLM's --kv-offloading-size): full
+    # blocks are saved there after the step that computed them, and a prefix that misses the device
+    # pool but hits the host store is loaded back instead of recomputed. None: no host tier.
+    kv_offloading_size: float | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -96,6 +101,10 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', 'num_speculative_tokens': 3}} "
                              f"or None, got {type(self.speculative_config).__name__}")
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
+            raise ValueError(f"kv_offloading_size is the host KV store's size in GiB, a number > 0 (or None: no host "
+                             f"tier), got {size!r}")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True, False or None (on when the scheduler supports it), "
                              f"got {self.enable_prefix_caching!r}")
@@ -114,6 +123,7 @@ class Parts:
     attention: Any = "auto"  # "auto", "torch", "triton", "reference", or a paged_attention function
     prefix_cache_cls: Any = None  # default: minipaged.prefix_cache.PrefixCache (used when prefix caching is on)
     proposer: Any = None  # default: minipaged.spec_decode.propose_ngram (interfaces.ProposerFn; used when speculative_config is on)
+    kv_connector: Any = None  # interfaces.KVConnector class; default: the host tier when kv_offloading_size is set, else none
     # (None means minipaged's own part: the engine fills them in, minipaged.engine.resolve_parts)
 
 

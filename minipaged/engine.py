@@ -269,6 +269,7 @@ class LLMEngine:
         self.scheduler = parts.scheduler_cls(self.allocator, parts.block_table_cls, config)
         check_part(self.scheduler, SchedulerProtocol, "scheduler")
         self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, kv_heads, mcfg.head_dim, self.dtype, self.device)
+        self.connector = self._build_connector()  # where KV lives besides this pool (None: nowhere)
         # the one decision about speed: which implementation runs each stage (engine.plan), made
         # here, once, from the config; the executor owns every copy a fast path needs
         self.executor = self._build_executor()
@@ -334,7 +335,19 @@ class LLMEngine:
             from .distributed import TensorParallelExecutor
 
             return TensorParallelExecutor(self.config, self.model, self.device, self.parts.attention, self.kv_cache)
-        return make_executor(self.config, self.model, self.device, self.parts.attention, self.kv_cache)
+        executor = make_executor(self.config, self.model, self.device, self.parts.attention, self.kv_cache)
+        if self.connector is not None:  # the plan names the connector too
+            from .kv_connector import plan_with_connector
+
+            executor.plan = plan_with_connector(executor.plan, self.connector.connector)
+        return executor
+
+    def _build_connector(self):
+        """The KV connector's driver (minipaged/kv_connector.py), or None when there is no connector."""
+        from .kv_connector import ConnectorDriver, KVLayout, build_connector
+
+        conn = build_connector(self.parts, self.config, KVLayout.of_cache(self.kv_cache, getattr(self.model.config, "name", "")))
+        return None if conn is None else ConnectorDriver(conn, self.allocator, self.scheduler, self.config.max_num_seqs)
 
     # -- sizes -----------------------------------------------------------------------------
     @property
@@ -480,6 +493,8 @@ class LLMEngine:
         for q in req.samples:
             self._request_of.pop(q.seq_id, None)
             self.sampler.remove(q.seq_id)
+            if self.connector is not None:
+                self.connector.finished(q)
             if self.spec is not None:
                 self.spec.forget(q.seq_id)
             self.totals.retired(q)
@@ -509,7 +524,11 @@ class LLMEngine:
             try:
                 if self.spec is not None:  # drafts for every sequence about to decode
                     self.spec.propose(self.scheduler.running)
+                if self.connector is not None:  # blocks another tier holds, loaded for waiting requests
+                    self.connector.before_schedule(self.kv_cache)
                 out = self.scheduler.schedule()
+                if self.connector is not None:
+                    self.connector.admitted(out)
                 if out.is_empty:
                     if not outputs:
                         raise RuntimeError(
@@ -519,6 +538,8 @@ class LLMEngine:
                         )
                     return outputs
                 inputs, hidden = self._run_model(out)
+                if self.connector is not None:  # what this step computed, saved by the connector
+                    self.connector.save(self.kv_cache, out)
                 sampled = self._sample(inputs, hidden)
                 self.route_counts[self.last_route] += 1
                 now = time.perf_counter() - self.t0
@@ -527,6 +548,9 @@ class LLMEngine:
                     self.spec.clear(self.scheduler.running)
             except Exception as e:
                 return outputs + self._fail_step(out, e)
+            finally:
+                if self.connector is not None:  # the blocks held while loads were in flight go back
+                    self.connector.release()
             outputs += self._pending  # requests a non-finite value ended in this step
             self._pending = []
             return outputs + self._step_outputs(out, inputs, sampled, now)
