@@ -72,6 +72,10 @@ class EngineConfig:
     # blocks are saved there after the step that computed them, and a prefix that misses the device
     # pool but hits the host store is loaded back instead of recomputed. None: no host tier.
     kv_offloading_size: float | None = None
+    # Prefill and decode on separate engines (minipaged/disagg.py), as vLLM spells it:
+    # {"kv_connector": "TorchDistributedConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+    #  "kv_ip": "127.0.0.1", "kv_port": 14579}. None: this engine prefills and decodes its own requests.
+    kv_transfer_config: dict | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -105,6 +109,9 @@ class EngineConfig:
         if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
             raise ValueError(f"kv_offloading_size is the host KV store's size in GiB, a number > 0 (or None: no host "
                              f"tier), got {size!r}")
+        if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, dict):
+            raise ValueError(f"kv_transfer_config must be a dict like {{'kv_connector': 'TorchDistributedConnector', "
+                             f"'kv_role': 'kv_producer'}} or None, got {type(self.kv_transfer_config).__name__}")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True, False or None (on when the scheduler supports it), "
                              f"got {self.enable_prefix_caching!r}")

@@ -319,6 +319,8 @@ class LLMEngine:
         close = getattr(self.executor, "close", None)
         if close is not None:
             close()
+        if getattr(self, "connector", None) is not None:  # a KV transfer link
+            self.connector.close()
 
     def rebuild_executor(self) -> Plan:
         """After changing the model's weights or modules: plan again and drop every copy the old

@@ -220,3 +220,33 @@ def test_metrics_count_external_prefix_cache_hits_under_vllms_names(tiny_model):
     got = parse_metrics(m.render()[0].decode())
     assert got["vllm:external_prefix_cache_hits_total"] == eng.connector.tiers["external_hits"] == 2 * 40
     assert got["vllm:external_prefix_cache_queries_total"] == eng.connector.tiers["external_queries"] > 0
+
+
+def test_llm_and_serve_take_the_host_tier_size(tiny_model):
+    import argparse
+
+    from minipaged.llm import LLM
+    from minipaged.server.cli import add_serve_parser, engine_kwargs
+
+    model, tok = tiny_model
+    llm = LLM(model, tok, kv_offloading_size=0.01, **SMALL)
+    assert isinstance(llm.engine.connector.connector, HostOffloadConnector)
+    ap = argparse.ArgumentParser()
+    add_serve_parser(ap.add_subparsers(dest="cmd"))
+    args = ap.parse_args(["serve", "--kv-offloading-size", "0.5"])
+    assert engine_kwargs(args)["kv_offloading_size"] == 0.5
+
+
+def test_bench_offload_reports_both_runs_with_the_same_tokens(tiny_model):
+    from minipaged.bench.offload import bench_offload, format_offload
+
+    model, tok = tiny_model
+    rng = random.Random(0)
+    docs = [[rng.randrange(3, 500) for _ in range(40)] for _ in range(3)]
+    reqs = [(c, t, docs[c] + [7, 8, 9] * (t + 1)) for t in range(2) for c in range(3)]
+    r = bench_offload(model, tok, block_size=8, offload_gib=0.01, requests=reqs)
+    assert r["same_tokens"] and r["workload"]["device_blocks"] * 8 < 3 * 40
+    # turn 2 of each conversation finds its 5 document blocks in the host store, not the device pool
+    assert r["on"]["kv_connector"]["host_hit_tokens"] == 3 * 40 and r["off"]["prefix_hit_tokens"] == 0
+    assert r["off"]["prompt_tokens_computed"] - r["on"]["prompt_tokens_computed"] == 3 * 40
+    assert "host store" in format_offload(r)

@@ -23,6 +23,7 @@ BENCH_COMMANDS = [
     ("detok", ".bench.detok", "what detokenizing costs per token, incremental against a full re-decode"),
     ("prefix", ".bench.prefix", "a shared system prompt with the prefix cache on and off"),
     ("spec", ".bench.spec", "speculative decoding (n-gram drafts) on and off, on a repeating workload and free chat"),
+    ("offload", ".bench.offload", "a host-memory KV tier on and off: multi-turn prompts whose prefixes do not fit the device pool"),
     ("paper", ".bench.gpu.paper", "the PagedAttention paper's Figs. 12-13 on a simulated GPU (real scheduler, no model)"),
     ("serve", ".bench.serve", "load-generate against an OpenAI-compatible server (minipaged or vLLM)"),
 ]
