@@ -139,6 +139,7 @@ class TorchDistributedConnector(HostOffloadConnector):
         self.counts.update(sent_requests=0, sent_blocks=0, received_requests=0, received_blocks=0, transfer_failures=0,
                            link_generation=0)
         _LIVE.add(self)
+        self._store_lock = threading.Lock()
         if self.rank == 0:
             self.tcp_store = torch.distributed.TCPStore(cfg["kv_ip"], int(cfg["kv_port"]), None, True,
                                                     datetime.timedelta(seconds=float(cfg["extra"]["connect_timeout_s"])),
@@ -151,30 +152,34 @@ class TorchDistributedConnector(HostOffloadConnector):
     # -- the link ---------------------------------------------------------------------------
     def _listen(self) -> None:
         """Rank 0: wait, in a thread, for the next consumer to connect (a fresh generation)."""
-        self._generation += 1
-        gen = self._generation
-        self.tcp_store.set("generation", str(gen))
+        with self._store_lock:  # one client connection is never used by two threads at once
+            self._generation += 1
+            gen = self._generation
+            self.tcp_store.set("generation", str(gen))
 
         def accept() -> None:
-            while True:
-                try:
-                    self.tcp_store.wait([f"gen{gen}/hello"], datetime.timedelta(days=1))
-                except Exception:  # noqa: BLE001 - the store closed: the engine is going away
-                    return
-                peer = json.loads(self.tcp_store.get(f"gen{gen}/hello").decode())
-                why = handshake_mismatch(self.hello, peer)
-                self.tcp_store.set(f"gen{gen}/verdict", why or "ok")
-                if why is not None:
-                    self.last_error = why
-                    self.tcp_store.delete_key(f"gen{gen}/hello")
-                    continue
-                try:
-                    link = _Link(self.tcp_store, gen, 0, self.timeout_s)
-                except Exception as e:  # noqa: BLE001 - the consumer went away during the setup
-                    self.last_error = f"link setup failed: {e}"
-                    return self._listen()
-                self._up(link)
+            try:  # this thread's own connection to the store
+                store = torch.distributed.TCPStore(self.cfg["kv_ip"], self.port, None, False,
+                                                   datetime.timedelta(seconds=60))
+                store.wait([f"gen{gen}/hello"], datetime.timedelta(days=1))
+            except Exception:  # noqa: BLE001 - the store closed: the engine is going away
                 return
+            peer = json.loads(store.get(f"gen{gen}/hello").decode())
+            why = handshake_mismatch(self.hello, peer)
+            if why is not None:  # refused; the next consumer gets a fresh generation, set before the verdict
+                self.last_error = why
+                self._listen()
+                store.set(f"gen{gen}/verdict", why)
+                return
+            store.set(f"gen{gen}/verdict", "ok")
+            try:
+                link = _Link(store, gen, 0, self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - the consumer went away during the setup
+                self.last_error = f"link setup failed: {e}"
+                self._listen()
+                return
+            self._up(link)
+            store.set(f"gen{gen}/ready", "1")  # the consumer's engine starts only now
 
         threading.Thread(target=accept, name="kv-transfer-accept", daemon=True).start()
 
@@ -196,6 +201,7 @@ class TorchDistributedConnector(HostOffloadConnector):
         if verdict != "ok":
             raise ValueError(verdict)
         self._up(_Link(store, gen, 1, self.timeout_s))
+        store.wait([f"gen{gen}/ready"], datetime.timedelta(seconds=timeout))  # the producer sends from now on
 
     def _up(self, link: _Link) -> None:
         self.link = link
@@ -323,6 +329,23 @@ class TorchDistributedConnector(HostOffloadConnector):
 
 
 CONNECTORS = {"TorchDistributedConnector": TorchDistributedConnector}
+
+
+def build_any_connector(parts: Any, config: Any, layout: KVLayout) -> Any:
+    """The engine's connector: the one ``config.kv_transfer_config`` names, else
+    :func:`minipaged.kv_connector.build_connector`'s (a learner's, the host tier, or None)."""
+    from dataclasses import replace
+
+    from .kv_connector import build_connector
+
+    transfer = getattr(config, "kv_transfer_config", None)
+    if transfer is None:
+        return build_connector(parts, config, layout)
+    if getattr(parts, "kv_connector", None) is not None or getattr(config, "kv_offloading_size", None) is not None:
+        raise ValueError("one KV connector at a time: kv_transfer_config names its own connector, so leave "
+                         "kv_offloading_size and kv_connector out")
+    cls = CONNECTORS[check_transfer_config(transfer)["kv_connector"]]
+    return build_connector(replace(parts, kv_connector=cls), config, layout)
 _LIVE: "weakref.WeakSet[TorchDistributedConnector]" = weakref.WeakSet()
 
 
@@ -331,5 +354,5 @@ def _close_all() -> None:  # a receiver blocked in gloo must not outlive the int
     for conn in list(_LIVE):
         conn.close()
 
-__all__ = ["TorchDistributedConnector", "CONNECTORS", "ROLES", "check_transfer_config", "handshake_of",
+__all__ = ["TorchDistributedConnector", "CONNECTORS", "build_any_connector", "ROLES", "check_transfer_config", "handshake_of",
            "handshake_mismatch"]

@@ -346,9 +346,10 @@ class LLMEngine:
 
     def _build_connector(self):
         """The KV connector's driver (minipaged/kv_connector.py), or None when there is no connector."""
-        from .kv_connector import ConnectorDriver, KVLayout, build_connector
+        from .disagg import build_any_connector
+        from .kv_connector import ConnectorDriver, KVLayout
 
-        conn = build_connector(self.parts, self.config, KVLayout.of_cache(self.kv_cache, getattr(self.model.config, "name", "")))
+        conn = build_any_connector(self.parts, self.config, KVLayout.of_cache(self.kv_cache, getattr(self.model.config, "name", "")))
         return None if conn is None else ConnectorDriver(conn, self.allocator, self.scheduler, self.config.max_num_seqs)
 
     # -- sizes -----------------------------------------------------------------------------

@@ -374,16 +374,12 @@ def plan_with_connector(plan: Any, connector: Any) -> Any:
 
 
 def build_connector(parts: Any, config: Any, layout: KVLayout) -> Any:
-    """The engine's connector (None: none): the one ``config.kv_transfer_config`` names (disagg.py), or
-    ``parts.kv_connector`` (a class, built with ``(layout, config)``), else the host tier when
-    ``config.kv_offloading_size`` is set."""
+    """The engine's connector (None: none): ``parts.kv_connector`` (a class, built with ``(layout,
+    config)``) if given, else the host tier when ``config.kv_offloading_size`` is set. (The one
+    ``config.kv_transfer_config`` names is disagg.py's :func:`minipaged.disagg.build_any_connector`'s.)"""
     cls = getattr(parts, "kv_connector", None)
-    transfer = getattr(config, "kv_transfer_config", None)
-    if cls is None and getattr(config, "kv_offloading_size", None) is None and transfer is None:
+    if cls is None and getattr(config, "kv_offloading_size", None) is None:
         return None
-    if transfer is not None and (cls is not None or getattr(config, "kv_offloading_size", None) is not None):
-        raise ValueError("one KV connector at a time: kv_transfer_config names its own connector, so leave "
-                         "kv_offloading_size and kv_connector out")
     if config.tensor_parallel_size > 1:
         raise ValueError("a KV connector (kv_offloading_size, kv_connector) needs tensor_parallel_size=1: the KV "
                          "pages live in the worker processes there")
@@ -393,11 +389,7 @@ def build_connector(parts: Any, config: Any, layout: KVLayout) -> Any:
     from .interfaces import KVConnector
     from .parts import check_part
 
-    if transfer is not None:
-        from .disagg import CONNECTORS, check_transfer_config
-
-        cls = CONNECTORS[check_transfer_config(transfer)["kv_connector"]]
-    elif cls is None:
+    if cls is None:
         cls = HostOffloadConnector
     check_part(cls, KVConnector, "KV connector")
     conn = cls(layout, config)
