@@ -242,3 +242,21 @@ def test_serve_and_proxy_command_lines():
     assert args.cmd == "proxy" and args.prefill.endswith("8100")
     body = {"prompt": "hi", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}, "n": 1}
     assert prefill_body(body) == {"prompt": "hi", "max_tokens": 1}
+
+
+def test_kv_both_engines_send_and_receive_each_others_prompts(tiny_model):
+    model, tok = tiny_model
+    a = LLMEngine(model, tok, kv_transfer_config={**_cfg("kv_both", 0), "kv_rank": 0}, **KW)
+    b = LLMEngine(model, tok, kv_transfer_config={**_cfg("kv_both", a.connector.connector.port), "kv_rank": 1}, **KW)
+    try:
+        p, q = _prompts(2, seed=11)
+        _run(a, p, PREFILL)
+        assert _run(b, p) == _single(model, tok, p)  # a prefilled, b decodes
+        _run(b, q, PREFILL)
+        assert _run(a, q) == _single(model, tok, q)  # and the other way round
+        assert b.stats()["kv_connector"]["host_hit_tokens"] == a.stats()["kv_connector"]["host_hit_tokens"] == 40
+        _no_leak(a)
+        _no_leak(b)
+    finally:
+        b.shutdown()
+        a.shutdown()
