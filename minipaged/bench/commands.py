@@ -24,6 +24,7 @@ BENCH_COMMANDS = [
     ("prefix", ".bench.prefix", "a shared system prompt with the prefix cache on and off"),
     ("spec", ".bench.spec", "speculative decoding (n-gram drafts) on and off, on a repeating workload and free chat"),
     ("offload", ".bench.offload", "a host-memory KV tier on and off: multi-turn prompts whose prefixes do not fit the device pool"),
+    ("disagg", ".bench.disagg", "colocated against disaggregated prefill on the simulated GPU: goodput under TTFT/TPOT SLOs"),
     ("paper", ".bench.gpu.paper", "the PagedAttention paper's Figs. 12-13 on a simulated GPU (real scheduler, no model)"),
     ("serve", ".bench.serve", "load-generate against an OpenAI-compatible server (minipaged or vLLM)"),
 ]
