@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_parser = None
     if add_serve_parser is not None:
         add_serve_parser(sub)
+        from .server.proxy import add_proxy_parser
+
+        add_proxy_parser(sub)  # disaggregated prefill: a prefill server, then a decode server
     add_module_command(sub, "grade", ".checks.grading", "grade a class's workbooks in a sandbox with the exercises' own checks")
     return ap
 

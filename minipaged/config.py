@@ -86,6 +86,15 @@ class EngineConfig:
     # "prompt_lookup_max": n, "prompt_lookup_min": m} (minipaged/spec_decode.py; its values are
     # checked when the engine is built), or None: one token a step.
     speculative_config: dict | None = None
+    # -- where KV lives besides the device pool (minipaged/kv_connector.py) ---------------------
+    # A host-memory tier of this many GiB under the device pool (vLLM's --kv-offloading-size): full
+    # blocks are saved there after the step that computed them, and a prefix that misses the device
+    # pool but hits the host store is loaded back instead of recomputed. None: no host tier.
+    kv_offloading_size: float | None = None
+    # Prefill and decode on separate engines (minipaged/disagg.py), as vLLM spells it:
+    # {"kv_connector": "TorchDistributedConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+    #  "kv_ip": "127.0.0.1", "kv_port": 14579}. None: this engine prefills and decodes its own requests.
+    kv_transfer_config: dict | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -116,6 +125,17 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', 'num_speculative_tokens': 3}} "
                              f"or None, got {type(self.speculative_config).__name__}")
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
+            raise ValueError(f"kv_offloading_size is the host KV store's size in GiB, a number > 0 (or None: no host "
+                             f"tier), got {size!r}")
+        if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, dict):
+            raise ValueError(f"kv_transfer_config must be a dict like {{'kv_connector': 'TorchDistributedConnector', "
+                             f"'kv_role': 'kv_producer'}} or None, got {type(self.kv_transfer_config).__name__}")
+        if self.kv_cache_dtype != "auto" and (self.kv_offloading_size is not None or self.kv_transfer_config is not None):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with a KV connector (kv_offloading_size or "
+                             f"kv_transfer_config): the connectors copy pages without their 8-bit scales. Use one of "
+                             f"them: kv_cache_dtype='auto' with the connector, or the 8-bit pages without it")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True, False or None (on when the scheduler supports it), "
                              f"got {self.enable_prefix_caching!r}")
@@ -134,6 +154,7 @@ class Parts:
     attention: Any = "auto"  # "auto", "torch", "triton", "reference", or a paged_attention function
     prefix_cache_cls: Any = None  # default: minipaged.prefix_cache.PrefixCache (used when prefix caching is on)
     proposer: Any = None  # default: minipaged.spec_decode.propose_ngram (interfaces.ProposerFn; used when speculative_config is on)
+    kv_connector: Any = None  # interfaces.KVConnector class; default: the host tier when kv_offloading_size is set, else none
     # (None means minipaged's own part: the engine fills them in, minipaged.engine.resolve_parts)
 
 

@@ -272,6 +272,7 @@ class LLMEngine:
         self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, kv_heads, mcfg.head_dim, self.dtype,
                                 self.device, kv_cache_dtype=config.kv_cache_dtype,
                                 calculate_kv_scales=config.calculate_kv_scales)
+        self.connector = self._build_connector()  # where KV lives besides this pool (None: nowhere)
         # the one decision about speed: which implementation runs each stage (engine.plan), made
         # here, once, from the config; the executor owns every copy a fast path needs
         self.executor = self._build_executor()
@@ -325,6 +326,8 @@ class LLMEngine:
         close = getattr(self.executor, "close", None)
         if close is not None:
             close()
+        if getattr(self, "connector", None) is not None:  # a KV transfer link
+            self.connector.close()
 
     def rebuild_executor(self) -> Plan:
         """After changing the model's weights or modules: plan again and drop every copy the old
@@ -341,7 +344,23 @@ class LLMEngine:
             from .distributed import TensorParallelExecutor
 
             return TensorParallelExecutor(self.config, self.model, self.device, self.parts.attention, self.kv_cache)
-        return make_executor(self.config, self.model, self.device, self.parts.attention, self.kv_cache)
+        executor = make_executor(self.config, self.model, self.device, self.parts.attention, self.kv_cache)
+        if self.connector is not None:  # the plan names the connector too
+            from .kv_connector import plan_with_connector
+
+            executor.plan = plan_with_connector(executor.plan, self.connector.connector)
+        return executor
+
+    def _build_connector(self):
+        """The KV connector's driver (minipaged/kv_connector.py), or None when there is no connector."""
+        from .disagg import build_any_connector
+        from .kv_connector import ConnectorDriver, KVLayout
+
+        conn = build_any_connector(self.parts, self.config, KVLayout.of_cache(self.kv_cache, getattr(self.model.config, "name", "")))
+        if conn is not None and self.config.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype!r} with the KV connector {type(conn).__name__}: "
+                             f"connectors copy pages without their 8-bit scales. Use kv_cache_dtype='auto' with a connector")
+        return None if conn is None else ConnectorDriver(conn, self.allocator, self.scheduler, self.config.max_num_seqs)
 
     # -- sizes -----------------------------------------------------------------------------
     @property
@@ -508,6 +527,8 @@ class LLMEngine:
             self.sampler.remove(q.seq_id)
             if self.structured is not None:
                 self.structured.remove(q.seq_id)
+            if self.connector is not None:
+                self.connector.finished(q)
             if self.spec is not None:
                 self.spec.forget(q.seq_id)
             self.totals.retired(q)
@@ -541,6 +562,11 @@ class LLMEngine:
                         self.structured.trim_drafts(self.scheduler.running)
                 out = self.scheduler.schedule()
                 self.last_step_tokens = out.num_batched_tokens  # vllm:iteration_tokens_total
+                if self.connector is not None:  # blocks another tier holds, loaded for waiting requests
+                    self.connector.before_schedule(self.kv_cache)
+                out = self.scheduler.schedule()
+                if self.connector is not None:
+                    self.connector.admitted(out)
                 if out.is_empty:
                     if not outputs:
                         raise RuntimeError(
@@ -550,6 +576,8 @@ class LLMEngine:
                         )
                     return outputs
                 inputs, hidden = self._run_model(out)
+                if self.connector is not None:  # what this step computed, saved by the connector
+                    self.connector.save(self.kv_cache, out)
                 sampled = self._sample(inputs, hidden)
                 self.route_counts[self.last_route] += 1
                 now = time.perf_counter() - self.t0
@@ -559,6 +587,9 @@ class LLMEngine:
                     self.spec.clear(self.scheduler.running)
             except Exception as e:
                 return outputs + self._fail_step(out, e)
+            finally:
+                if self.connector is not None:  # the blocks held while loads were in flight go back
+                    self.connector.release()
             outputs += self._pending  # requests a non-finite value ended in this step
             self._pending = []
             return outputs + self._step_outputs(out, inputs, sampled, now) + beam_outputs

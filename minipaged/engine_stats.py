@@ -72,6 +72,9 @@ def engine_stats(engine: Any) -> dict:
         ps = getattr(engine.scheduler, "prefix_stats", None)
         info.update(prefix_hit_rate=ps.hit_rate if ps else None, prefix_hit_tokens=ps.hit_tokens if ps else None,
                     cached_blocks=engine.prefix_cache.num_cached_blocks, evictions=engine.prefix_cache.num_evictions)
+    connector = getattr(engine, "connector", None)
+    if connector is not None:  # prefix hits per tier, and what the connector moved (minipaged/kv_connector.py)
+        info["kv_connector"] = connector.stats()
     trace = engine.trace
     if trace is not None and trace.steps:
         info.update(peak_blocks_used=trace.peak_blocks_used, peak_concurrency=trace.peak_concurrency,

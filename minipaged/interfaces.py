@@ -1,7 +1,7 @@
 """The contracts between the engine and its parts: what a learner's piece must offer.
 
-Owns the *seams*, nothing else: four ``typing.Protocol``s (the block pool, the block table,
-the scheduler, the prefix cache) and the paged-attention function's signature. The records
+Owns the *seams*, nothing else: five ``typing.Protocol``s (the block pool, the block table,
+the scheduler, the prefix cache, the KV connector) and the paged-attention function's signature. The records
 the parts hand each other (``Sequence``, ``SchedulerOutput``, ...) live one floor down, in
 :mod:`minipaged.data`, which is all this module imports of the package. Each Protocol holds exactly the
 members a learner writes in the workbooks; everything else the engine, trace, viz or the
@@ -18,6 +18,8 @@ Constructors are part of the contract:
   prefix caching is on)
 - ``attention``: a ``PagedAttentionFn`` (or a name, see ``minipaged.attention.get_backend``)
 - ``proposer``: a ``ProposerFn`` (speculative decoding's draft source, used with ``speculative_config``)
+- ``kv_connector(layout, config)`` -> a ``KVConnector`` (another place a block's K/V lives: the host
+  tier, another engine; used with ``kv_offloading_size`` or when given)
 
 A part says which non-default settings it supports with a class attribute ``supports``
 (a set of strings, e.g. ``{"chunked_prefill_off"}``), read from the class that defines the
@@ -197,6 +199,48 @@ class ProposerFn(Protocol):
     def __call__(self, token_ids: "Seq[int]", num_tokens: int, min_n: int, max_n: int) -> "list[int]": ...
 
 
+@runtime_checkable
+class KVConnector(Protocol):
+    """Where a block's K/V comes from besides the device pool, and where it goes after a step
+    (vLLM V1's ``KVConnectorBase_V1``, with only what a host tier and disaggregated prefill need).
+
+    Constructor: ``kv_connector_cls(layout, config)``: a :class:`minipaged.kv_connector.KVLayout`
+    (layers, block size, KV heads, head dim, dtype, device) and the engine's EngineConfig. The
+    reference is :class:`minipaged.kv_connector.HostOffloadConnector`. The engine calls it at fixed
+    points of every step (``minipaged.kv_connector`` draws them), with prefix caching on.
+
+    Scheduler side:
+
+    - ``get_num_new_matched_tokens(seq, num_computed_tokens)``: how many tokens after the first
+      ``num_computed_tokens`` (the device prefix cache's hit, whole blocks) this connector can
+      provide: whole blocks, never the last token of ``seq.token_ids`` (it is recomputed for the
+      logits); 0 for none. Changes nothing;
+    - ``update_state_after_alloc(seq, block_ids, num_external_tokens)``: the engine allocated device
+      blocks for them: ``block_ids`` are the blocks of the request's prefix, and the last
+      ``num_external_tokens // block_size`` of them are this connector's to fill;
+    - ``request_finished(seq)``: the sequence left the engine (finished, aborted or failed): forget it.
+
+    Worker side:
+
+    - ``start_load_kv(kv_cache)``: copy every block promised in ``update_state_after_alloc`` into
+      ``kv_cache`` (its ``k[layer]`` / ``v[layer]`` tensors), now: before the step's schedule and
+      forward pass. The engine registers those blocks in the prefix cache only after it returns; if
+      it raises, the blocks are freed and the requests compute their prompts themselves;
+    - ``save_kv(kv_cache, scheduled)``: after the forward pass; ``scheduled`` is the step's list of
+      ``ScheduledSeq`` (positions ``start .. start + num_new_tokens - 1`` were computed).
+    """
+
+    def get_num_new_matched_tokens(self, seq: "Sequence", num_computed_tokens: int) -> int: ...
+
+    def update_state_after_alloc(self, seq: "Sequence", block_ids: list, num_external_tokens: int) -> None: ...
+
+    def request_finished(self, seq: "Sequence") -> None: ...
+
+    def start_load_kv(self, kv_cache: Any) -> None: ...
+
+    def save_kv(self, kv_cache: Any, scheduled: Seq[Any]) -> None: ...
+
+
 _POOL_MEMBERS = ("num_blocks", "block_size", "num_free_blocks", "allocate", "free", "incref", "ref_count")
 PROTOCOL_MEMBERS: dict[type, tuple[str, ...]] = {
     BlockPool: _POOL_MEMBERS,
@@ -204,6 +248,8 @@ PROTOCOL_MEMBERS: dict[type, tuple[str, ...]] = {
     SchedulerProtocol: ("waiting", "running", "add_request", "schedule", "update", "finish", "abort", "has_unfinished"),
     PrefixCacheProtocol: _POOL_MEMBERS + ("hash_block", "match_prefix", "cache_blocks", "num_cached_blocks",
                                           "num_evictions"),
+    KVConnector: ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished", "start_load_kv",
+                  "save_kv"),
 }
 
 # Members a part may define, and the setting that uses them when it does: the engine asks the part
@@ -213,4 +259,5 @@ OPTIONAL_MEMBERS: dict[type, dict[str, str]] = {
 }
 
 __all__ = ["BlockPool", "BlockTableProtocol", "SchedulerProtocol", "PrefixCacheProtocol", "PagedAttentionFn", "ProposerFn",
+           "KVConnector",
            "PROTOCOL_MEMBERS", "OPTIONAL_MEMBERS"]

@@ -11,7 +11,7 @@ import inspect
 from typing import Any
 
 from .data import SequenceStatus
-from .interfaces import PROTOCOL_MEMBERS, BlockPool, BlockTableProtocol, PrefixCacheProtocol, SchedulerProtocol
+from .interfaces import PROTOCOL_MEMBERS, BlockPool, BlockTableProtocol, KVConnector, PrefixCacheProtocol, SchedulerProtocol
 
 
 def cdiv(a: int, b: int) -> int:
@@ -113,7 +113,7 @@ def check_scheduler(sched: Any, max_num_seqs: int | None = None) -> None:
 
 # -- fitting a part to its Protocol ------------------------------------------------------
 _ROLE_NAMES = {BlockPool: "allocator", BlockTableProtocol: "block table", SchedulerProtocol: "scheduler",
-               PrefixCacheProtocol: "prefix cache"}
+               PrefixCacheProtocol: "prefix cache", KVConnector: "KV connector"}
 
 
 def missing_members(obj: Any, protocol: type) -> list[str]:

@@ -20,6 +20,7 @@ LESSONS = sorted((ROOT / "notebooks").glob("0[1-9]_*.ipynb"))
 # Every vLLM path the lessons name, checked to exist in vllm-project/vllm's V1 tree (main, late 2025).
 # A lesson that names a path outside this list must have it checked and added here.
 VLLM_PATHS_CHECKED = {
+    "vllm/distributed/kv_transfer/kv_connector/v1/base.py", "vllm/v1/kv_offload/",  # lesson 14 (checked 2026-12)
     # lessons 00 and 10-12 (checked against vllm-project/vllm's tree)
     "vllm/v1/worker/gpu_worker.py", "vllm/distributed/communication_op.py",
     "vllm/distributed/device_communicators/custom_all_reduce.py", "vllm/model_executor/layers/vocab_parallel_embedding.py",

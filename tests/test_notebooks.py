@@ -32,6 +32,7 @@ LESSONS = [
     "10_where_paging_pays",  # helper-1's lesson
     "11_beyond_one_device",
     "12_speculative_decoding",
+    "14_where_kv_lives",
 ]
 # The workbook each lesson points to at its end (00 has none; 05's is the Triton kernel workbook; lessons 09-11
 # have none, and lesson 12's is workbook 09).
@@ -200,6 +201,8 @@ ASSERTED = {
     "12_speculative_decoding": ["verify_cost < 0.75 * (K + 1)", 'tv["accept_point_mass"] < 0.02', "given_back == [written[-1]]",
                                 'runs[w, True]["tokens"] == runs[w, False]["tokens"]',
                                 'rep["acceptance_rate"] > new.get("acceptance_rate"', "speedup(1, 0.9) > 1.5"],
+    "14_where_kv_lives": ['["host_hit_tokens"] > 0', '["prefix_hit_tokens"] == 0', '"start_load_kv" in Logged.log[2]',
+                          '["throughput"] <= row["colocated"]["throughput"] * 1.05'],
 }
 
 # A cell draws a figure when it calls one of these; its stored output must then hold the picture

@@ -478,7 +478,17 @@ class EngineLoop:
 
 
 def prefix_cache_counts(engine: Any) -> dict:
-    """Prefix-cache token counts ``{"queries": q, "hits": h}`` when the engine has a prefix cache, else {}."""
+    """Prefix-cache token counts ``{"queries": q, "hits": h}`` when the engine has a prefix cache, else {};
+    with a KV connector also ``external_queries`` / ``external_hits`` (tokens asked of it, and given by it)."""
+    counts = _device_prefix_counts(engine)
+    connector = getattr(engine, "connector", None)
+    if connector is not None and counts:
+        counts.update(external_queries=int(connector.tiers["external_queries"]),
+                      external_hits=int(connector.tiers["external_hits"]))
+    return counts
+
+
+def _device_prefix_counts(engine: Any) -> dict:
     if getattr(engine, "prefix_cache", None) is not None:  # the scheduler counts lookups in prompt tokens
         ps = getattr(engine.scheduler, "prefix_stats", None)
         if ps is not None and hasattr(ps, "queried_tokens") and hasattr(ps, "hit_tokens"):

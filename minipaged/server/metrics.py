@@ -8,7 +8,8 @@ token, at every later token, at each finish. It reads nothing from the engine it
 Gauges: ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` and the block
 counts. Counters: preemptions, prompt and generation tokens, finished requests by reason,
 rejected requests by reason, prefix-cache queries and hits (tokens; present once the engine has
-a prefix cache). Histograms, per token: inter-token latency; per request (vLLM's request-level
+a prefix cache), and with a KV connector (the host tier) vLLM's ``external_prefix_cache_queries`` /
+``external_prefix_cache_hits`` (tokens asked of it, and given by it). Histograms, per token: inter-token latency; per request (vLLM's request-level
 ones): time to first token, end-to-end latency, queue time, prefill time, decode time,
 inference time, prompt and generation token counts, ``n`` and ``max_tokens``.
 Speculative decoding (present once a draft has been verified), vLLM's counters:
@@ -83,6 +84,8 @@ class ServerMetrics:
         self._counter = counter
         self.pc_queries: Any = None  # registered once the engine reports a prefix cache
         self.pc_hits: Any = None
+        self.ext_queries: Any = None  # registered once the engine reports a KV connector
+        self.ext_hits: Any = None
         self.ttft = hist("time_to_first_token_seconds", "From arrival at the server to the first generated token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Between consecutive generated tokens of one request.", ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "From arrival at the server to the last token.", E2E_BUCKETS)
@@ -95,7 +98,7 @@ class ServerMetrics:
         self.req_n = hist("request_params_n", "The n (samples) of each finished request.", N_BUCKETS)
         self.req_max_tokens = hist("request_params_max_tokens", "The max_tokens of each finished request.", TOKEN_BUCKETS)
         self._seen_preemptions = 0
-        self._seen_pc = {"queries": 0, "hits": 0}
+        self._seen_pc = {"queries": 0, "hits": 0, "external_queries": 0, "external_hits": 0}
         self.spec: dict[str, Any] | None = None  # the spec-decode counters, registered at the first draft
         self._seen_spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self._seen_spec_pos: list[int] = []
@@ -122,7 +125,12 @@ class ServerMetrics:
         if "queries" in st.extra and self.pc_queries is None:
             self.pc_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
             self.pc_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        for key, metric in (("queries", self.pc_queries), ("hits", self.pc_hits)):
+        if "external_queries" in st.extra and self.ext_queries is None:  # a KV connector (vLLM's names)
+            self.ext_queries = self._counter("external_prefix_cache_queries",
+                                             "Prompt tokens asked of the KV connector (the host tier, another engine).")
+            self.ext_hits = self._counter("external_prefix_cache_hits", "Prompt tokens the KV connector provided.")
+        for key, metric in (("queries", self.pc_queries), ("hits", self.pc_hits), ("external_queries", self.ext_queries),
+                            ("external_hits", self.ext_hits)):
             if metric is not None and st.extra.get(key, 0) > self._seen_pc[key]:
                 metric.inc(st.extra[key] - self._seen_pc[key])
                 self._seen_pc[key] = st.extra[key]

@@ -1,0 +1,27 @@
+"""minipaged bench disagg: colocated against disaggregated prefill on the simulated GPU (no model runs)."""
+from minipaged.bench.disagg import LINKS, format_sweep, goodput, run_sweep, simulate
+
+
+def test_every_request_is_served_and_goodput_never_exceeds_throughput():
+    for system in ("colocated", "disaggregated"):
+        res = simulate(system, rate=4, n=60)
+        assert len(res["rows"]) == 60 and all(r["ttft"] > 0 and r["tpot"] >= 0 for r in res["rows"])
+        assert goodput(res, 1e9, 1e9) == 60 / res["duration"] >= goodput(res, 0.25, 0.05)
+
+
+def test_the_transfer_is_priced_from_bytes_per_token_and_the_link():
+    fast = simulate("disaggregated", rate=4, n=60, link="nvlink")
+    slow = simulate("disaggregated", rate=4, n=60, link="rdma100")
+    assert fast["transfer_bytes_per_token"] == slow["transfer_bytes_per_token"] > 0
+    assert LINKS["rdma100"] < LINKS["nvlink"]
+    # the first token comes from the prefill GPU: the link changes TPOT, never TTFT
+    assert [r["ttft"] for r in fast["rows"]] == [r["ttft"] for r in slow["rows"]]
+    assert sum(r["tpot"] for r in slow["rows"]) > sum(r["tpot"] for r in fast["rows"])
+
+
+def test_the_sweep_names_a_winner_and_disaggregation_does_not_raise_throughput():
+    r = run_sweep(rates=(1, 4), n=60)
+    for row in r["rows"]:
+        assert row["wins"] in row
+        assert row["disagg_nvlink"]["throughput"] <= row["colocated"]["throughput"] * 1.05
+    assert "does not raise throughput" in format_sweep(r)
