@@ -250,3 +250,15 @@ def test_bench_offload_reports_both_runs_with_the_same_tokens(tiny_model):
     assert r["on"]["kv_connector"]["host_hit_tokens"] == 3 * 40 and r["off"]["prefix_hit_tokens"] == 0
     assert r["off"]["prompt_tokens_computed"] - r["on"]["prompt_tokens_computed"] == 3 * 40
     assert "host store" in format_offload(r)
+
+
+def test_eight_bit_pages_with_a_connector_are_refused_saying_why() -> None:
+    """A connector copies pages without the 8-bit scales stored beside them: the config refuses the pair."""
+    from minipaged.config import EngineConfig
+
+    for fields in ({"kv_offloading_size": 0.1}, {"kv_transfer_config": {"kv_connector": "TorchDistributedConnector",
+                                                                           "kv_role": "kv_both"}}):
+        for dtype in ("int8", "fp8"):
+            with pytest.raises(ValueError, match="kv_cache_dtype='auto' with the connector"):
+                EngineConfig(kv_cache_dtype=dtype, **fields)
+        EngineConfig(kv_cache_dtype="auto", **fields)
