@@ -366,7 +366,9 @@ def observe_beams(engine: Any, inputs: Any, hidden: torch.Tensor, live: list[int
         return live
     seqs = [inputs.samplers[k].seq for k in beams]
     logits = engine.executor.compute_logits(hidden[[inputs.sample_rows[k] for k in beams]])
-    bad = engine._fail_nonfinite(logits, seqs.__getitem__, "logits")
+    from .step_faults import fail_nonfinite
+
+    bad = fail_nonfinite(engine, logits, seqs.__getitem__, "logits")
     for r, q in enumerate(seqs):
         if r not in bad and not q.is_finished:
             q.beam.observe(q, logits[r])

@@ -53,6 +53,8 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: F4
 from .sampling import Sampler, SamplingParams, prompt_logprobs_of
 from .scheduler import Scheduler
 from .spec_decode import SpecDecoder, SpeculativeConfig
+from .step_faults import fail_nonfinite, fail_nonfinite_rows, fail_step, mask_batch
+from .kv_connector import build_driver
 from .beam_search import BeamSearchParams, SharingCounter, advance_beams, observe_beams, queue_beam_search
 
 
@@ -272,7 +274,7 @@ class LLMEngine:
         self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, kv_heads, mcfg.head_dim, self.dtype,
                                 self.device, kv_cache_dtype=config.kv_cache_dtype,
                                 calculate_kv_scales=config.calculate_kv_scales)
-        self.connector = self._build_connector()  # where KV lives besides this pool (None: nowhere)
+        self.connector = build_driver(self)  # where KV lives besides this pool (None: nowhere)
         # the one decision about speed: which implementation runs each stage (engine.plan), made
         # here, once, from the config; the executor owns every copy a fast path needs
         self.executor = self._build_executor()
@@ -350,17 +352,6 @@ class LLMEngine:
 
             executor.plan = plan_with_connector(executor.plan, self.connector.connector)
         return executor
-
-    def _build_connector(self):
-        """The KV connector's driver (minipaged/kv_connector.py), or None when there is no connector."""
-        from .disagg import build_any_connector
-        from .kv_connector import ConnectorDriver, KVLayout
-
-        conn = build_any_connector(self.parts, self.config, KVLayout.of_cache(self.kv_cache, getattr(self.model.config, "name", "")))
-        if conn is not None and self.config.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype!r} with the KV connector {type(conn).__name__}: "
-                             f"connectors copy pages without their 8-bit scales. Use kv_cache_dtype='auto' with a connector")
-        return None if conn is None else ConnectorDriver(conn, self.allocator, self.scheduler, self.config.max_num_seqs)
 
     # -- sizes -----------------------------------------------------------------------------
     @property
@@ -560,11 +551,10 @@ class LLMEngine:
                     self.spec.propose(self.scheduler.running)
                     if self.structured is not None:  # a draft the grammar refuses is cut before it is verified
                         self.structured.trim_drafts(self.scheduler.running)
-                out = self.scheduler.schedule()
-                self.last_step_tokens = out.num_batched_tokens  # vllm:iteration_tokens_total
                 if self.connector is not None:  # blocks another tier holds, loaded for waiting requests
                     self.connector.before_schedule(self.kv_cache)
                 out = self.scheduler.schedule()
+                self.last_step_tokens = out.num_batched_tokens  # vllm:iteration_tokens_total
                 if self.connector is not None:
                     self.connector.admitted(out)
                 if out.is_empty:
@@ -586,7 +576,7 @@ class LLMEngine:
                 if self.spec is not None:  # drafts of sequences the budget left out this step go too
                     self.spec.clear(self.scheduler.running)
             except Exception as e:
-                return outputs + self._fail_step(out, e)
+                return outputs + fail_step(self, out, e)
             finally:
                 if self.connector is not None:  # the blocks held while loads were in flight go back
                     self.connector.release()
@@ -606,7 +596,7 @@ class LLMEngine:
             self.executor.copy_blocks(out.blocks_to_copy)
         inputs = self.runner.prepare(out)
         hidden = self.executor.forward(inputs.input_ids, inputs.positions, inputs.meta)
-        self._fail_nonfinite_rows(hidden, inputs)
+        fail_nonfinite_rows(self, hidden, inputs)
         return inputs, hidden
 
     def _sample(self, inputs: Any, hidden: torch.Tensor) -> dict:
@@ -644,27 +634,14 @@ class LLMEngine:
         logits = self.executor.compute_logits(h)
         if len(who) > h.shape[0]:
             logits = logits[torch.tensor([i for i, _ in who], device=logits.device)]
-        bad = self._fail_nonfinite(logits, seqs.__getitem__, "logits")
+        bad = fail_nonfinite(self, logits, seqs.__getitem__, "logits")
         if bad:  # those requests are ended: sample the others only
             keep = [r for r in range(len(seqs)) if r not in bad]
             logits, seqs = logits[keep], [seqs[r] for r in keep]
         if self.structured is not None and seqs:  # the grammars' token masks, the whole batch at once
-            logits, seqs = self._mask_grammar(logits, seqs)
+            logits, seqs = mask_batch(self, logits, seqs)
         tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.sampling_params for s in seqs]) if seqs else []
         return seqs, tokens, "sampler"
-
-    def _mask_grammar(self, logits: torch.Tensor, seqs: list) -> tuple[torch.Tensor, list]:
-        """Mask the constrained rows of ``logits``; a request whose grammar leaves no token is
-        ended with finish_reason "error" (the others are sampled)."""
-        dead = self.structured.apply(logits, seqs)
-        if not dead:
-            return logits, seqs
-        for r, why in dead.items():
-            req = self._request(seqs[r])
-            if req is not None and req.seq.seq_id in self.requests:
-                self._end(req, FinishReason.ERROR, f"structured outputs: {why}")
-        keep = [r for r in range(len(seqs)) if r not in dead and not seqs[r].is_finished]
-        return logits[keep], [seqs[r] for r in keep]
 
     def _step_outputs(self, out: Any, inputs: Any, sampled: dict, now: float) -> list[RequestOutput]:
         """After update(): each sampled sequence's token times, the step counted and traced, and an
@@ -690,49 +667,6 @@ class LLMEngine:
     def _samples_of(self, seq: Sequence) -> list:
         req = self._request(seq)
         return req.samples if req is not None and req.seq is seq else [seq]
-
-    def _fail_nonfinite_rows(self, hidden: torch.Tensor, inputs: Any) -> None:
-        """End the requests whose rows of the step's hidden states hold NaN or inf."""
-        seq_of_row = _token_row_owner(hidden, inputs)
-        if seq_of_row is not None:  # else not one row per token: the logits check still guards the sampled rows
-            self._fail_nonfinite(hidden, seq_of_row, "hidden states (the last layer's output: attention or a layer after it made them)")
-
-    def _fail_nonfinite(self, values: torch.Tensor, seq_of_row: Any, part: str) -> set[int]:
-        """End, with finish_reason "error", every request with a row of ``values`` that holds NaN or
-        inf (``seq_of_row(r)``: the sequence of row r), before update() could cache a block it wrote;
-        its blocks are cleared, so a later owner never reads the NaN. Returns those rows."""
-        bad_rows = _nonfinite_rows(values)
-        if not bad_rows:
-            return set()
-        by_request: dict[str, tuple[_Request, list[int]]] = {}
-        for r in bad_rows:
-            req = self._request(seq_of_row(r))
-            if req is not None and req.seq.seq_id in self.requests:
-                by_request.setdefault(req.seq.seq_id, (req, []))[1].append(r)
-        step = self.num_steps + 1
-        for req, rows in by_request.values():
-            _scrub(req, self.kv_cache, self.prefix_cache)
-            self._end(req, FinishReason.ERROR, _nonfinite_message(step, part, values, rows))
-        if by_request:
-            warnings.warn(f"minipaged: step {step}: {len(by_request)} request(s) failed: non-finite {part.split(' (')[0]}",
-                          stacklevel=6)  # the caller of step()
-        return set(bad_rows)
-
-    def _fail_step(self, out: Any, error: Exception) -> list[RequestOutput]:
-        """Finish the requests of a step that raised with finish_reason "error"; keep the rest."""
-        where = "the scheduler" if out is None else "the step"
-        msg = f"{where} raised {type(error).__name__}: {error}"
-        seqs = _blamed_sequences(self.scheduler, out)
-        for seq in seqs:
-            req = self._request(seq)
-            if req is not None and req.seq.seq_id in self.requests:
-                _scrub(req, self.kv_cache, self.prefix_cache)  # whatever the step wrote before it raised never reaches a later owner
-                self._end(req, FinishReason.ERROR, msg)
-        if not seqs:  # nothing to blame: surface the error rather than spin
-            raise error
-        warnings.warn(f"minipaged: {len(seqs)} request(s) failed: {msg}", stacklevel=3)
-        failed, self._pending = self._pending, []
-        return failed
 
     def _output(self, req: _Request) -> RequestOutput:
         return request_output(req, self.sampler, self.spec)
@@ -760,51 +694,10 @@ class LLMEngine:
         return engine_stats(self)
 
 
-# -- inside a step: whom a failure ends, and when tokens came -------------------------------
-def _blamed_sequences(scheduler: Any, out: Any) -> list[Sequence]:
-    """The sequences a step that raised ends: ``out`` is what schedule() returned (None: it raised)."""
-    if out is None:  # schedule() itself raised: the sequences it was working on are suspect
-        return list(scheduler.running) + [s for s in scheduler.waiting if s.block_table is not None]
-    if out.is_empty:  # no progress is possible: end everything rather than spin
-        return list(scheduler.running) + list(scheduler.waiting)
-    return [s.seq for s in out.scheduled]
+# -- inside a step: when tokens came -------------------------------
 
 
-def _scrub(req: _Request, kv_cache: Any, prefix_cache: Any) -> None:
-    """Zero the K/V of ``req``'s blocks that no other request can read, so that what a failed
-    step wrote there (a NaN) never reaches the block's next owner."""
-    blocks = req.unshared_blocks(prefix_cache)
-    k, v = getattr(kv_cache, "k", None), getattr(kv_cache, "v", None)
-    if not blocks or not k or not v:
-        return
-    from .kv_quant import clear_blocks
 
-    idx = torch.tensor(sorted(blocks), dtype=torch.long, device=k[0].device)
-    for t in list(k) + list(v):
-        clear_blocks(t, idx)  # 8-bit pages: their per-block scales too
-
-
-def _nonfinite_rows(values: torch.Tensor) -> list[int]:
-    """The rows of ``values`` (2-D) that hold a NaN or an inf."""
-    ok = torch.isfinite(values).all(dim=-1)
-    return [] if bool(ok.all()) else (~ok).nonzero().flatten().tolist()
-
-
-def _nonfinite_message(step: int, part: str, values: torch.Tensor, rows: list[int]) -> str:
-    kind = "NaN" if bool(torch.isnan(values[rows]).any()) else "inf"
-    return (f"step {step}: the {part} of this request hold {kind} ({len(rows)} row(s)), so its next token would "
-            "be garbage: the request was ended, and no block it wrote in this step was cached")
-
-
-def _token_row_owner(hidden: torch.Tensor, inputs: Any) -> Any:
-    """``seq_of_row(r)``: the sequence whose token row r of ``hidden`` is; None when ``hidden`` is
-    not one row per scheduled token."""
-    qsl = inputs.meta.query_start_loc
-    if hidden.dim() != 2 or hidden.shape[0] != int(qsl[-1]):
-        return None
-    starts = qsl.tolist()
-    order = inputs.order
-    return lambda r: order[bisect.bisect_right(starts, r) - 1].seq
 
 
 def _stamp_token_times(seqs: list[Sequence], sampled: dict, now: float) -> list[Sequence]:

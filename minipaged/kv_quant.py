@@ -26,7 +26,7 @@ starts the block afresh (its old scale, from an earlier owner, is dropped). Bad 
 poisons a block: NaN is stored as 0 and +-inf clipped to the format's range (int8: fp16's, 65504;
 fp8: its largest value times the layer's scale), so every scale stays finite (the request whose
 token held them then fails on its non-finite hidden state and its blocks are scrubbed, see
-engine._fail_nonfinite), and a scale of zero, NaN or inf is refused where it is set.
+step_faults.fail_nonfinite), and a scale of zero, NaN or inf is refused where it is set.
 """
 from __future__ import annotations
 

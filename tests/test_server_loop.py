@@ -325,7 +325,8 @@ def test_n_samples_become_choices_in_order(monkeypatch):
         assert r.status_code == 200, body
         assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
             (0, "Hello", "length"), (1, "World", "stop"), (2, "Hello", "length"), (3, "World", "stop")]
-        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
+        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 3, "stream": True}) as s:
             lines = [ln for ln in s.iter_lines() if ln]
         assert lines[-1] == "data: [DONE]"
@@ -638,3 +639,20 @@ def test_n_past_max_num_seqs_is_400_before_any_work(tiny_model):
         assert loop_.call(lambda e: len(e.requests)) == 0
     finally:
         loop_.shutdown(1)
+
+
+def test_an_engine_that_fails_after_it_is_built_is_reported_not_waited_on():
+    """What start() reads of a built engine raising (its config, its first stats) reaches start()'s caller at once."""
+    import time
+
+    from minipaged.server.engine_loop import EngineLoop
+
+    class Broken:
+        @property
+        def config(self):
+            raise RuntimeError("the engine's config could not be read")
+
+    t = time.perf_counter()
+    with pytest.raises(RuntimeError, match="config could not be read"):
+        EngineLoop(Broken).start(timeout_s=30)
+    assert time.perf_counter() - t < 10

@@ -136,11 +136,12 @@ def cache_config_of(eng: Any) -> dict:
     """What /metrics shows of the engine's KV cache (vllm:cache_config_info) and the last step's
     scheduled tokens (vllm:iteration_tokens_total)."""
     cfg = getattr(eng, "config", None)
-    if cfg is None or getattr(eng, "allocator", None) is None:
-        return {}
+    if cfg is None or getattr(eng, "allocator", None) is None or getattr(cfg, "block_size", None) is None:
+        return {}  # an engine without paged KV (a test's scripted one) has no cache to describe
+    kv_dtype = getattr(cfg, "kv_cache_dtype", "auto")  # vLLM's cache_dtype: 8-bit pages by name, else the model's
     return {"cache_config": {"block_size": cfg.block_size, "num_gpu_blocks": eng.allocator.num_blocks,
-                             "enable_prefix_caching": bool(cfg.enable_prefix_caching),
-                             "cache_dtype": str(getattr(eng, "dtype", "auto")).replace("torch.", "")},
+                             "enable_prefix_caching": bool(getattr(cfg, "enable_prefix_caching", False)),
+                             "cache_dtype": kv_dtype if kv_dtype != "auto" else str(getattr(eng, "dtype", "auto")).replace("torch.", "")},
             "step_tokens": getattr(eng, "last_step_tokens", 0)}
 
 
@@ -228,12 +229,13 @@ class EngineLoop:
     def _main(self) -> None:
         try:
             self.engine = self._factory()
-        except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
+            self.max_model_len = max_model_len_of(self.engine)
+            self._publish()
+        except BaseException as e:  # noqa: BLE001 - handed to start()'s caller, who would otherwise wait forever
             self._startup_error = e
+            self._stopped.set()
             self._ready.set()
             return
-        self.max_model_len = max_model_len_of(self.engine)
-        self._publish()
         self._ready.set()
         try:
             self._run()
