@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .kv_connector import HostKVStore, HostOffloadConnector, KVLayout, full_block_hashes, gather_blocks
+from .kv_connector import ConnectorDriver, HostKVStore, HostOffloadConnector, KVLayout, full_block_hashes, gather_blocks
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULTS = {"kv_ip": "127.0.0.1", "kv_port": 14579, "kv_buffer_size": 2**28}
@@ -354,5 +354,14 @@ def _close_all() -> None:  # a receiver blocked in gloo must not outlive the int
     for conn in list(_LIVE):
         conn.close()
 
-__all__ = ["TorchDistributedConnector", "CONNECTORS", "build_any_connector", "ROLES", "check_transfer_config", "handshake_of",
+def build_driver(engine: Any) -> "ConnectorDriver | None":
+    """The engine's KV connector driver, or None when there is no connector (LLMEngine.__init__ calls it)."""
+    conn = build_any_connector(engine.parts, engine.config, KVLayout.of_cache(engine.kv_cache, getattr(engine.model.config, "name", "")))
+    if conn is not None and engine.config.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={engine.config.kv_cache_dtype!r} with the KV connector {type(conn).__name__}: "
+                         f"connectors copy pages without their 8-bit scales. Use kv_cache_dtype='auto' with a connector")
+    return None if conn is None else ConnectorDriver(conn, engine.allocator, engine.scheduler, engine.config.max_num_seqs)
+
+
+__all__ = ["build_driver", "TorchDistributedConnector", "CONNECTORS", "build_any_connector", "ROLES", "check_transfer_config", "handshake_of",
            "handshake_mismatch"]

@@ -54,7 +54,7 @@ from .sampling import Sampler, SamplingParams, prompt_logprobs_of
 from .scheduler import Scheduler
 from .spec_decode import SpecDecoder, SpeculativeConfig
 from .step_faults import fail_nonfinite, fail_nonfinite_rows, fail_step, mask_batch
-from .kv_connector import build_driver
+from .disagg import build_driver
 from .beam_search import BeamSearchParams, SharingCounter, advance_beams, observe_beams, queue_beam_search
 
 

@@ -397,18 +397,6 @@ def build_connector(parts: Any, config: Any, layout: KVLayout) -> Any:
     return conn
 
 
-def build_driver(engine: Any) -> "ConnectorDriver | None":
-    """The engine's KV connector driver, or None when there is no connector (LLMEngine.__init__ calls it)."""
-    from .disagg import build_any_connector
-
-    conn = build_any_connector(engine.parts, engine.config, KVLayout.of_cache(engine.kv_cache, getattr(engine.model.config, "name", "")))
-    if conn is not None and engine.config.kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={engine.config.kv_cache_dtype!r} with the KV connector {type(conn).__name__}: "
-                         f"connectors copy pages without their 8-bit scales. Use kv_cache_dtype='auto' with a connector")
-    return None if conn is None else ConnectorDriver(conn, engine.allocator, engine.scheduler, engine.config.max_num_seqs)
-
-
 __all__ = ["KVLayout", "HostKVStore", "HostOffloadConnector", "ConnectorDriver", "build_connector", "gather_blocks",
-           "scatter_blocks", "full_block_hashes", "newly_full_blocks", "host_capacity_blocks", "plan_with_connector",
-           "build_driver"]
+           "scatter_blocks", "full_block_hashes", "newly_full_blocks", "host_capacity_blocks", "plan_with_connector"]
 
