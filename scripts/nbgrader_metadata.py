@@ -42,6 +42,7 @@ CELL_TIMEOUT_S = {
     "07_assemble": (15, 120),  # the check that builds an engine from the learner's parts and serves SmolLM2
     "08_prefix_caching": (1, 30),
     "09_speculative_decoding": (12, 90),  # SmolLM2 served with speculation on
+    "10_predict_and_measure": (10, 60),  # the profile measured once; the ledger builds 12 engines (~7 s)
 }
 DEFAULT_CELL_TIMEOUT_S = 120  # a workbook not in the table yet: as much as the slowest
 
