@@ -167,7 +167,7 @@ def test_seeded_sampling_is_reproducible_over_http(client):
     (dict(logprobs=99), "logprobs"),
     (dict(frequency_penalty=5), "frequency_penalty"),
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
-    (dict(extra_body={"response_format": {"type": "json_object"}}), "response_format"),
+    (dict(extra_body={"response_format": {"type": "xml"}}), "response_format"),
 ])
 def test_invalid_parameters_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
