@@ -1,6 +1,6 @@
 """The seed's scenario through the simulated GPU: a 7B model, a 40 GB GPU, 2,048-token sequences.
 
-Owns one check: the figures the course started from (/work/shared/SEED_CLAIMS.md: an
+Owns one check: the figures the course started from (the design notes' SEED_CLAIMS.md: an
 explainer page's 14 GB of weights, ~24 GB of KV room, 9 contiguous against 24 paged
 sequences, and 840 / 1,820 / 2,576 tok/s for naive, static and continuous serving), each set
 beside what the same cost model, scheduler and pool give for Llama-2-7B on an A100-40GB, with
