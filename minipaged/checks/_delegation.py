@@ -117,6 +117,30 @@ def _class_codes(cls: type, label: str, out: dict, only: str | None = None) -> N
         _codes_of(member, f"{label}.{name}", out)
 
 
+def _entries(pairs: Iterable[tuple[str, str | None]]) -> Iterator[tuple[str, str | None, str, str, Any]]:
+    """WATCH's and ALLOW's (module, attribute) pairs resolved: (module, its file, None, None, None) for a whole
+    module, found by its spec and never imported (importing triton_paged would define its kernels before
+    TRITON_INTERPRET may be set); (module, None, owner, method, the owner or None) for "Owner" or "Owner.method".
+    A module that cannot be found or imported is skipped."""
+    import importlib.util
+
+    for module_name, attr in pairs:
+        if attr is None:
+            try:
+                spec = importlib.util.find_spec(module_name)
+            except (ImportError, ValueError):
+                continue
+            if spec is not None and spec.origin:
+                yield module_name, os.path.abspath(spec.origin), None, None, None
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # pragma: no cover - every module named with an attribute is core
+            continue
+        owner, _, method = attr.partition(".")
+        yield module_name, None, owner, method, getattr(module, owner, None)
+
+
 @functools.lru_cache(maxsize=None)
 def watched(workbook: str) -> tuple[dict, dict]:
     """(code object -> name, file -> module name) of what workbook ``workbook`` must not call.
@@ -124,25 +148,12 @@ def watched(workbook: str) -> tuple[dict, dict]:
     A whole module (attribute None) is watched by its file, so it is never imported here:
     importing triton_paged would define its kernels, before TRITON_INTERPRET may be set.
     """
-    import importlib.util
-
     codes: dict = {}
     files: dict = {}
-    for module_name, attr in WATCH[workbook]:
-        if attr is None:
-            try:
-                spec = importlib.util.find_spec(module_name)
-            except (ImportError, ValueError):
-                continue
-            if spec is not None and spec.origin:
-                files[os.path.abspath(spec.origin)] = module_name
+    for module_name, path, owner, method, member in _entries(WATCH[workbook]):
+        if path is not None:
+            files[path] = module_name
             continue
-        try:
-            module = importlib.import_module(module_name)
-        except Exception:  # pragma: no cover - every module named with an attribute is core
-            continue
-        owner, _, method = attr.partition(".")
-        member = getattr(module, owner, None)
         if member is None:
             continue
         if inspect.isclass(member):
@@ -170,27 +181,14 @@ def _nested(code: Any, out: set) -> None:
 def allowed(workbook: str) -> tuple[frozenset, frozenset] | None:
     """(code objects, files) of the package code workbook ``workbook`` hands the learner (ALLOW, with
     ALWAYS_ALLOWED), or None when the workbook has no list (then only WATCH is refused)."""
-    import importlib.util
-
     if workbook not in ALLOW:
         return None
     codes: set = set()
     files: set = set()
-    for module_name, attr in ALWAYS_ALLOWED + ALLOW[workbook]:
-        if attr is None:
-            try:
-                spec = importlib.util.find_spec(module_name)
-            except (ImportError, ValueError):
-                continue
-            if spec is not None and spec.origin:
-                files.add(os.path.abspath(spec.origin))
+    for _, path, owner, method, member in _entries(ALWAYS_ALLOWED + ALLOW[workbook]):
+        if path is not None:
+            files.add(path)
             continue
-        try:
-            module = importlib.import_module(module_name)
-        except Exception:  # pragma: no cover - every module named with an attribute is core
-            continue
-        owner, _, method = attr.partition(".")
-        member = getattr(module, owner, None)
         found: dict = {}
         if inspect.isclass(member):
             for klass in inspect.getmro(member):  # what it inherits from the package too
