@@ -338,3 +338,17 @@ def test_the_bench_can_serve_on_the_fp32_weights_only():
     plain = run_system(model, "static_contiguous", reqs, num_blocks=8, reserve_tokens=16, engine={"fast_paths": False})
     assert set(plain.engine.plan.refused) == {"fast_paths"}
     assert plain.outputs == res.outputs == naive.outputs
+
+
+def test_save_run_writes_the_figures_and_the_arguments_to_a_path_given_as_text(tmp_path):
+    """Every `minipaged bench ...` command ends with save_run; argparse gives `--json` as text."""
+    import argparse
+    import json
+
+    from minipaged.bench import save_run
+
+    out = tmp_path / "sub" / "figures.json"
+    save_run({"x": 1}, argparse.Namespace(json=str(out), rates="1,2"))
+    saved = json.loads(out.read_text(encoding="utf-8"))
+    assert saved == {"x": 1, "arguments": {"json": str(out), "rates": "1,2"}}
+    save_run({"y": 2}, argparse.Namespace(json=None))  # no --json: nothing written, nothing raised

@@ -12,6 +12,7 @@ def save_run(res: dict, args, path=None) -> None:
                         if not k.startswith("_") and not callable(v)}
     path = path if path is not None else getattr(args, "json", None)
     if path:
+        path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=1))
+        path.write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {path}")

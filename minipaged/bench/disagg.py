@@ -21,9 +21,10 @@ same two GPUs do the same work; it trades one GPU's prefill capacity for steadie
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from typing import Any
+
+from . import save_run
 
 LINKS = {"nvlink": 300e9, "pcie4": 25e9, "rdma100": 12.5e9}  # bytes/s, one direction
 
@@ -173,10 +174,7 @@ def run(a: argparse.Namespace) -> int:
     rates = [float(x) for x in a.rates.split(",") if x.strip()]
     r = run_sweep(rates, a.ttft_slo, a.tpot_slo, a.requests, gpu=a.gpu, model=a.model)
     print(format_sweep(r))
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(r, f, indent=2)
-            f.write("\n")
+    save_run(r, a)
     return 0
 
 

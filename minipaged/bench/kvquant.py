@@ -18,13 +18,14 @@ It prints and returns figures (``--json``, ``--figure``, ``--readme``); it asser
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from importlib import resources
 from typing import Any
 
 import torch
+
+from . import save_run
 
 DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
 PROMPTS = [
@@ -202,9 +203,7 @@ def run(a: argparse.Namespace, p: argparse.ArgumentParser | None = None) -> int:
     for name, d in r["dtypes"].items():
         if d["refused_c_attention"]:
             print(f"{name}: {d['refused_c_attention']}")
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(r, f, indent=2)
+    save_run(r, a)
     if a.figure:
         plot(r, a.figure)
     if a.readme and not update_readme(r):

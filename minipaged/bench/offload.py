@@ -15,11 +15,12 @@ prints and returns figures; it asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from typing import Any
+
+from . import save_run
 
 SENTENCES = [
     "The key-value cache holds one key and one value vector per token and layer.",
@@ -170,8 +171,5 @@ def run(a: argparse.Namespace) -> int:
     r = bench_offload(conversations=a.conversations, turns=a.turns, doc_sentences=a.doc_sentences,
                       max_tokens=a.max_tokens, block_size=a.block_size, num_blocks=a.num_blocks, offload_gib=a.offload_gib)
     print(format_offload(r))
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(r, f, indent=2)
-            f.write("\n")
+    save_run(r, a)
     return 0

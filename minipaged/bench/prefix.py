@@ -11,9 +11,10 @@ requests, in peak KV blocks. It prints and returns figures; it asserts nothing a
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
+
+from . import save_run
 
 SYSTEM_PROMPT = (
     "You are a patient teaching assistant for a course on how large language model servers work. "
@@ -169,7 +170,5 @@ def run(a: argparse.Namespace, p: argparse.ArgumentParser | None = None) -> int:
     p = p or getattr(a, "_parser", None) or argparse.ArgumentParser()
     r = bench_shared_prefix(num_requests=a.requests, max_tokens=a.max_tokens, block_size=a.block_size)
     print(format_shared_prefix(r))
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(r, f, indent=2)
+    save_run(r, a)
     return 0

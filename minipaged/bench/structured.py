@@ -17,7 +17,8 @@ import json
 import re
 import time
 from importlib import resources
-from pathlib import Path
+
+from . import save_run
 
 
 def shipped_set() -> list[dict]:
@@ -107,7 +108,5 @@ def run(args: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> 
     print(f"parse rate: {rate['parse_rate']:.0%} of {rate['finished_with_stop']} outputs that finished with stop "
           f"({rate['requests']} requests)")
     result = {"backend": "xgrammar", "mask_cost": cost, "parse": rate}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {args.out}")
+    save_run(result, args, path=args.out)
     return 0 if rate["parse_rate"] == 1.0 else 1
