@@ -352,3 +352,19 @@ def test_save_run_writes_the_figures_and_the_arguments_to_a_path_given_as_text(t
     saved = json.loads(out.read_text(encoding="utf-8"))
     assert saved == {"x": 1, "arguments": {"json": str(out), "rates": "1,2"}}
     save_run({"y": 2}, argparse.Namespace(json=None))  # no --json: nothing written, nothing raised
+
+
+def test_text_table_aligns_every_row_and_off_on_rows_format_both_sides():
+    """The one table helper the benches print with: the first column left, the others right, each
+    column as wide as its widest cell (a cell wider than ``min_width`` widens its column, not just its
+    row); the off-vs-on rows format both sides by the same spec."""
+    from minipaged.bench import off_on_rows, text_table
+
+    rows = [("", "off", "on"), *off_on_rows({"t": 0.5, "n": 7}, {"t": 0.25, "n": 1234567890123}, [("time (s)", "t", ".3f"),
+                                                                                                   ("tokens", "n", "")])]
+    assert rows[1:] == [("time (s)", "0.500", "0.250"), ("tokens", "7", "1234567890123")]
+    lines = text_table(rows, min_width=5)
+    assert len({len(line) for line in lines}) == 1, lines  # the 13-digit cell widened the whole column
+    assert lines[2] == "tokens        7  1234567890123" and lines[0].startswith("        ")
+    ruled = text_table(rows, rule=True)
+    assert ruled[1] == "--------  -----  -------------" and ruled[0] == " " * 8 + "    off" + " " * 13 + "on"

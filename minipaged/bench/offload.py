@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Any
 
-from . import save_run
+from . import off_on_rows, save_run, text_table
 
 SENTENCES = [
     "The key-value cache holds one key and one value vector per token and layer.",
@@ -134,21 +134,18 @@ def bench_offload(model=None, tokenizer=None, conversations: int = 4, turns: int
 def format_offload(r: dict) -> str:
     w, off, on = r["workload"], r["off"], r["on"]
     kc = on["kv_connector"] or {}
-    rows = [("", "device only", "+ host tier"),
-            ("mean TTFT, all turns (s)", f"{off['ttft_mean_s']:.3f}", f"{on['ttft_mean_s']:.3f}"),
-            ("mean TTFT, turns 2+ (s)", f"{off['ttft_mean_later_turns_s']:.3f}", f"{on['ttft_mean_later_turns_s']:.3f}"),
-            ("prompt tokens computed", f"{off['prompt_tokens_computed']}", f"{on['prompt_tokens_computed']}"),
+    rows = [("", "device only", "+ host tier"), *off_on_rows(off, on, [
+                ("mean TTFT, all turns (s)", "ttft_mean_s", ".3f"), ("mean TTFT, turns 2+ (s)", "ttft_mean_later_turns_s", ".3f"),
+                ("prompt tokens computed", "prompt_tokens_computed", "")]),
             ("prefix hits, device pool (tokens)", f"{off['prefix_hit_tokens']}", f"{kc.get('device_hit_tokens', '-')}"),
             ("prefix hits, host store (tokens)", "-", f"{kc.get('host_hit_tokens', '-')}"),
             ("blocks loaded / saved", "-", f"{kc.get('loaded_blocks', '-')} / {kc.get('saved_blocks', '-')}"),
             ("copy time load / save (s)", "-", f"{kc.get('load_seconds', 0):.3f} / {kc.get('save_seconds', 0):.3f}")]
-    width = max(len(a) for a, _, _ in rows)
-    lines = [f"{a.ljust(width)}  {b:>12}  {c:>12}" for a, b, c in rows]
     head = (f"multi-turn shared-prefix workload: {w['conversations']} conversations x {w['turns']} turns, prompts of "
             f"{min(w['prompt_tokens'])}-{max(w['prompt_tokens'])} tokens, a device pool of {w['device_blocks']} blocks "
             f"({w['device_tokens']} tokens), a host store of {w['host_gib']} GiB; same greedy tokens: {r['same_tokens']}; "
             f"median TTFT ratio (turns 2+, without / with the tier): {r['ttft_speedup_later_turns_median']:.2f}x")
-    return head + "\n" + "\n".join(lines)
+    return "\n".join([head, *text_table(rows, min_width=12)])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import argparse
 import time
 from typing import Any
 
-from . import save_run
+from . import off_on_rows, save_run, text_table
 
 SYSTEM_PROMPT = (
     "You are a patient teaching assistant for a course on how large language model servers work. "
@@ -142,21 +142,16 @@ def bench_parallel_sampling(model=None, tokenizer=None, n: int = 4, max_tokens: 
 
 
 def format_shared_prefix(r: dict) -> str:
-    rows = [("", "cache off", "cache on"),
-            ("mean TTFT of the rest (s)", f"{r['off']['ttft_mean_s']:.3f}", f"{r['on']['ttft_mean_s']:.3f}"),
-            ("wall time of the rest (s)", f"{r['off']['seconds']:.2f}", f"{r['on']['seconds']:.2f}"),
-            ("output tokens/s (the rest)", f"{r['off']['output_tokens_per_s']:.1f}", f"{r['on']['output_tokens_per_s']:.1f}"),
-            ("prompt tokens computed", f"{r['off']['prompt_tokens_computed']}", f"{r['on']['prompt_tokens_computed']}"),
-            ("peak KV blocks", f"{r['off']['peak_blocks_used']}", f"{r['on']['peak_blocks_used']}"),
-            ("peak KV MiB", f"{r['off']['peak_kv_mib']:.2f}", f"{r['on']['peak_kv_mib']:.2f}"),
-            ("hit rate (prompt tokens)", f"{r['off']['hit_rate']:.0%}", f"{r['on']['hit_rate']:.0%}")]
-    w = max(len(a) for a, _, _ in rows)
-    lines = [f"{a.ljust(w)}  {b:>10}  {c:>10}" for a, b, c in rows]
     wl = r["workload"]
     head = (f"shared-prefix workload: {wl['requests']} requests (the first alone, then the rest together), prompts of {min(wl['prompt_tokens_each'])}-"
             f"{max(wl['prompt_tokens_each'])} tokens sharing one system prompt, {wl['max_tokens']} new tokens each, "
             f"block size {wl['block_size']}; same greedy tokens: {r['same_tokens']}")
-    return head + "\n" + "\n".join(lines)
+    rows = [("", "cache off", "cache on"), *off_on_rows(r["off"], r["on"], [
+        ("mean TTFT of the rest (s)", "ttft_mean_s", ".3f"), ("wall time of the rest (s)", "seconds", ".2f"),
+        ("output tokens/s (the rest)", "output_tokens_per_s", ".1f"), ("prompt tokens computed", "prompt_tokens_computed", ""),
+        ("peak KV blocks", "peak_blocks_used", ""), ("peak KV MiB", "peak_kv_mib", ".2f"),
+        ("hit rate (prompt tokens)", "hit_rate", ".0%")])]
+    return "\n".join([head, *text_table(rows, min_width=10)])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from .. import parts
 from ..kv_cache import kv_bytes_per_token
-from . import hardware
+from . import hardware, text_table
 from .baselines import FACTORIAL, ServeResult, load_hf_peer, run_hf, run_system
 from .clock import LinearStepCost, RequestSeconds, StaticBatching, StepSeconds, poisson_arrivals, run_clock
 from .workloads import Workload, chat_prompt_ids, synthetic
@@ -506,10 +506,7 @@ def format_table(result: dict) -> str:
             (f"{d['kv_waste'] * 100:.1f}%" if d.get("kv_waste") is not None else "-"),
             str(d.get("peak_concurrent_seqs", "-")), str(d.get("preemptions", "-")),
         ))
-    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
-    lines.insert(1, "  ".join("-" * x for x in w))
-    return "\n".join(lines)
+    return "\n".join(text_table(rows, rule=True))
 
 
 def format_attribution(result: dict) -> str:
@@ -540,13 +537,11 @@ def format_online(result: dict) -> str:
             rows.append((name, f"{d['rate_per_s']:.3f}", f"{d['output_tokens_per_s']:.1f}", f"{d['ttft_p50_s']:.2f}s",
                          f"{d['ttft_p99_s']:.2f}s", f"{d['tpot_p50_s']:.3f}s", f"{d['tpot_p99_s']:.3f}s",
                          f"{offered_goodput(d, on['num_requests']):.3f}"))
-    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"online: {on['num_requests']} requests ({on['workload']['description'] if on.get('workload') else ''}), "
              f"Poisson arrivals at {', '.join(f'{x:g}' for x in on.get('rate_factors', []))}x naive's capacity; SLO TTFT <= {slo['ttft_s']:.2f}s and "
              f"TPOT <= {slo['tpot_s']:.3f}s ({slo['rule']}); goodput = requests meeting both / the offered window "
              f"({on['num_requests']} requests / the rate), never above the rate"]
-    lines += ["  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
-    lines.insert(2, "  ".join("-" * x for x in w))
+    lines += text_table(rows, rule=True)
     return "\n".join(lines)
 
 

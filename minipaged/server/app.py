@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import protocol as P
 from .engine_loop import EngineLoop, Event, samples_of
 from .metrics import ServerMetrics
+from .routes import add_generate_routes
 from .security import Guard, unencodable
 
 log = logging.getLogger("minipaged.server")
@@ -178,15 +179,7 @@ def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerCon
             raise P.model_not_found(model_id, list(cfg.model_names))
         return _model_card(model_id, P.now())
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _generate("completion", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _generate("chat", request)
-
-    async def _generate(kind: str, request: Request):
+    async def _generate(path: str, kind: str, request: Request):  # POST /v1/completions, /v1/chat/completions
         arrival = time.perf_counter()
         data = await _read_json(request, cfg.max_request_bytes)
         req = P.parse_request(kind, data)
@@ -234,6 +227,7 @@ def create_app(engine_factory: Callable[[], Any] | EngineLoop, config: ServerCon
             if not handed_off:
                 call.abort_unfinished()
 
+    add_generate_routes(app, _generate)
     return app
 
 

@@ -16,9 +16,6 @@ import argparse
 import json
 from typing import Any
 
-PREFILL_ROUTES = ("/v1/completions", "/v1/chat/completions")
-
-
 def prefill_body(body: dict) -> dict:
     """The producer's copy of a request: one token, not streamed (the prompt's blocks are what matters)."""
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens", "n")}
@@ -30,6 +27,8 @@ def create_proxy_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    from .routes import add_generate_routes
 
     app = FastAPI(title="minipaged proxy", docs_url=None, redoc_url=None)
     state = {"requests": 0, "prefill_failures": 0, "last_prefill_error": None}
@@ -45,7 +44,7 @@ def create_proxy_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0
             state["prefill_failures"] += 1
             state["last_prefill_error"] = f"{type(e).__name__}: {e}"
 
-    async def _route(path: str, request: Request):
+    async def _route(path: str, kind: str, request: Request):  # kind: the consumer parses the body itself
         raw = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
         try:
@@ -72,13 +71,7 @@ def create_proxy_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0
         r = await client.post(url, content=raw, headers=headers)
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _route("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await _route("/v1/chat/completions", request)
+    add_generate_routes(app, _route)
 
     @app.get("/v1/models")
     async def models(request: Request):
