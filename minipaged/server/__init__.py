@@ -2,7 +2,7 @@
 
 Owns the HTTP side only: request schemas and errors (``protocol.py``), the one thread that
 owns the engine (``engine_loop.py``), Prometheus metrics (``metrics.py``), the FastAPI routes
-(``app.py``) and the command line (``cli.py``). It never schedules, samples or touches KV
+(``app.py``; the two generation routes' table, shared with the proxy, in ``routes.py``) and the command line (``cli.py``). It never schedules, samples or touches KV
 blocks itself: every request goes through ``add_request`` / ``step`` / ``abort_request``.
 
 Needs the ``serve`` extra: ``pip install "minipaged[serve]"`` (fastapi, uvicorn, prometheus-client).
