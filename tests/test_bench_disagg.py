@@ -25,3 +25,12 @@ def test_the_sweep_names_a_winner_and_disaggregation_does_not_raise_throughput()
         assert row["wins"] in row
         assert row["disagg_nvlink"]["throughput"] <= row["colocated"]["throughput"] * 1.05
     assert "does not raise throughput" in format_sweep(r)
+
+
+def test_the_disagg_arrivals_are_the_benchs_one_poisson_process():
+    from minipaged.bench.clock import poisson_arrivals
+    from minipaged.bench.disagg import _arrivals
+
+    arr = _arrivals(rate=3.0, n=40, seed=5, max_len=2048)
+    assert [t for t, _, _ in arr] == poisson_arrivals(40, 3.0, 5)
+    assert all(p >= 1 and o >= 2 for _, p, o in arr)

@@ -43,7 +43,7 @@ NAN = float("nan")
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     """``n`` arrival times (s) of a Poisson process of ``rate`` requests per second, the first
     at 0: exponential gaps (independent users), seeded. The one arrival process of the bench's
-    online sweep, ``minipaged bench serve``, the lessons' replays and the simulated GPU."""
+    online sweep, ``minipaged bench serve``, the lessons' replays, the simulated GPU and ``bench disagg``."""
     if not rate > 0:
         raise ValueError(f"rate must be > 0 requests/s, got {rate}")
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)

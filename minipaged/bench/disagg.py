@@ -21,23 +21,21 @@ same two GPUs do the same work; it trades one GPU's prefill capacity for steadie
 from __future__ import annotations
 
 import argparse
-import random
 from typing import Any
 
 from . import save_run
+from .clock import poisson_arrivals
 
 LINKS = {"nvlink": 300e9, "pcie4": 25e9, "rdma100": 12.5e9}  # bytes/s, one direction
 
 
 def _arrivals(rate: float, n: int, seed: int, max_len: int) -> list[tuple[float, int, int]]:
+    """(arrival time, prompt length, output length) of ``n`` requests: the bench's one Poisson
+    process (``clock.poisson_arrivals``) and the simulated GPU's ShareGPT-like lengths."""
     from .gpu.datasets import sample_lengths
 
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for p, o in sample_lengths("sharegpt", n, max_len=max_len, seed=seed):
-        t += rng.expovariate(rate)
-        out.append((t, max(1, int(p)), max(2, int(o))))
-    return out
+    times = poisson_arrivals(n, rate, seed)
+    return [(t, max(1, int(p)), max(2, int(o))) for t, (p, o) in zip(times, sample_lengths("sharegpt", n, max_len=max_len, seed=seed))]
 
 
 def _serve(reqs: list, cost: Any, prefill: bool, decode: bool, budget: int, max_num_seqs: int) -> dict[int, list[float]]:
