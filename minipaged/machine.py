@@ -75,6 +75,17 @@ def overhead_share(cal: Calibration, decode: Iterable[Any]) -> float:
     return over / smallest.seconds if smallest.seconds > 0 else math.inf
 
 
+def lower_envelope(seconds: list[float]) -> list[float]:
+    """Times by growing row count, each no more than any later one's: a matmul of more rows never
+    costs less than one of fewer, so a small-row time above a larger one's was a busy moment on a
+    shared CPU (which only ever adds time), and the larger one's is kept for it."""
+    out, low = [], math.inf
+    for t in reversed(seconds):
+        low = min(low, t)
+        out.append(low)
+    return out[::-1]
+
+
 # -- measuring ------------------------------------------------------------------------------------
 def _engine_of(llm_or_engine: Any) -> Any:
     eng = getattr(llm_or_engine, "engine", llm_or_engine)
@@ -146,7 +157,8 @@ def _measure(engine: Any, quick: bool) -> MachineProfile:
         lp = hardware.linear_profile(model, rows=s["rows"], repeats=s["linear_repeats"])
     else:
         lp = _time_route_linears(engine, s["rows"], s["linear_repeats"])
-    linear = LinearProfile(lp["rows"], lp["body_s"], lp["head_s"], source=f"machine.profile: {route_of(engine)}")
+    linear = LinearProfile(lp["rows"], lower_envelope(lp["body_s"]), lower_envelope(lp["head_s"]),
+                           source=f"machine.profile: {route_of(engine)}")
     bs = engine.config.block_size
     ap = hardware.attention_profile(engine.backend, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, bs,
                                     batches=s["attention_batches"], contexts=s["attention_contexts"],
@@ -213,6 +225,19 @@ def predict_step(prof: MachineProfile, step: Iterable[tuple[int, int]], logits_r
     if logits_rows is not None:
         t += prof.linear.head(logits_rows) - prof.linear.head(len(step))
     return t
+
+
+def predict_run(prof: MachineProfile, steps: Iterable[Iterable[tuple[int, int]]], spec_k: int = 0) -> float:
+    """Seconds of a run of engine steps (each a list of ``(start, num_new)`` pairs, as
+    ``validate.record_steps`` keeps them). ``spec_k``: the drafts a verifying step carries, when
+    the run speculates: a sequence with 2 to ``spec_k + 1`` new tokens after its start is then
+    a verifying one, whose every new token gets logits; a prompt (start 0) gets them on one row."""
+    total = 0.0
+    for step in steps:
+        step = [(int(a), int(n)) for a, n in step]
+        rows = sum(n if (spec_k and a > 0 and 1 < n <= spec_k + 1) else 1 for a, n in step)
+        total += predict_step(prof, step, logits_rows=rows)
+    return total
 
 
 def predict_decode(prof: MachineProfile, batch: int, context: int) -> float:
@@ -324,6 +349,34 @@ def check_prediction(name: str, predicted: float, measured: float, tolerance: fl
     return Prediction(name, predicted, measured, tolerance, off, ok, explained if not ok else None)
 
 
-__all__ = ["MachineProfile", "Prediction", "profile", "route_of", "cost_model", "predict_step", "predict_decode",
+
+def check_decode_step(llm_or_engine: Any, name: str, batch: int, context: int, tolerance: float = 0.25,
+                      steps: int = 6, quick: bool = True) -> tuple[MachineProfile, Prediction]:
+    """The lessons' step-time check in one call: this machine's profile of the engine's route
+    (cached), a real decode step of ``batch`` sequences with about ``context`` tokens each measured
+    on a private engine of the same model and route (the median of ``steps``), and the profile's
+    prediction of that very step, printed by :func:`check_prediction`. A miss is measured once
+    more, profile included (``fresh=True``), saying so: a busy moment on a shared CPU skews one
+    side; a miss that stays fails the cell. Returns the profile and the prediction."""
+    from .bench.gpu.validate import measure_decode
+
+    eng = _engine_of(llm_or_engine)
+    if batch < 1 or context < 2:
+        raise ValueError(f"check_decode_step needs batch >= 1 and context >= 2, got batch={batch}, context={context}")
+
+    def once(fresh: bool) -> tuple[MachineProfile, float, float]:
+        prof = profile(eng, quick=quick, fresh=fresh)
+        s = _private_engine(eng, {"decode_batches": (batch,), "decode_context": context, "decode_steps": steps,
+                                  "prefill_tokens": (2,)})
+        measured = measure_decode(s, batch=batch, prompt_len=context, steps=steps)
+        return prof, predict_step(prof, measured.step), measured.seconds
+
+    prof, pred, meas = once(False)
+    if abs(pred - meas) > tolerance * meas:
+        print(f"first try: predicted {pred * 1e3:.1f} ms, measured {meas * 1e3:.1f} ms; profiling and measuring again")
+        prof, pred, meas = once(True)
+    return prof, check_prediction(name, pred * 1e3, meas * 1e3, tolerance, unit="ms")
+
+__all__ = ["MachineProfile", "Prediction", "profile", "route_of", "cost_model", "predict_step", "predict_run", "predict_decode",
            "roofline_step", "knee", "ridge", "expected_tokens", "expected_speedup", "break_even_acceptance",
-           "check_prediction", "overhead_share", "MAX_OVERHEAD_SHARE", "QUICK", "FULL", "KNEE_BATCHES", "KNEE_CONTEXT"]
+           "check_prediction", "check_decode_step", "overhead_share", "MAX_OVERHEAD_SHARE", "QUICK", "FULL", "KNEE_BATCHES", "KNEE_CONTEXT"]

@@ -220,3 +220,62 @@ def test_a_fit_on_busy_steps_is_measured_again_and_the_smaller_overheads_kept(mo
     prof = machine._measure(tiny_engine, quick=True)
     assert prof.calibration.step_overhead_s == 0.0
     assert "measuring the steps again" in capsys.readouterr().out
+
+
+# -- the lessons' helpers: lower envelope, a run of steps, the step check ------------------------------
+def test_the_lower_envelope_keeps_small_row_times_no_higher_than_larger_ones():
+    # a busy moment at 2 rows (9 ms) cannot make 2 rows cost more than 4 rows did (5 ms)
+    assert machine.lower_envelope([4e-3, 9e-3, 5e-3, 8e-3]) == [4e-3, 5e-3, 5e-3, 8e-3]
+    assert machine.lower_envelope([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]          # a monotone profile is left alone
+    assert machine.lower_envelope([]) == []
+
+
+def test_predict_run_prices_each_step_and_gives_verifying_tokens_their_logits():
+    p = hand_profile()
+    steps = [[(0, 20)], [(20, 1)], [(21, 5)]]       # a prompt, a decode step, a verifying step of 4 drafts
+    plain = sum(machine.predict_step(p, s) for s in steps)
+    assert machine.predict_run(p, steps) == pytest.approx(plain)           # no speculation: one logits row a sequence
+    spec = machine.predict_run(p, steps, spec_k=4)
+    extra = p.linear.head(5) - p.linear.head(1)                             # the verifying step's 4 more head rows
+    assert spec == pytest.approx(plain + extra) and extra > 0
+    assert machine.predict_run(p, [[(0, 5)]], spec_k=4) == pytest.approx(machine.predict_step(p, [(0, 5)]))  # a prompt
+    assert machine.predict_run(p, []) == 0.0
+
+
+def test_check_decode_step_refuses_a_meaningless_step_before_measuring(tiny_engine):
+    for batch, ctx in ((0, 64), (4, 1)):
+        with pytest.raises(ValueError, match="batch >= 1 and context >= 2"):
+            machine.check_decode_step(tiny_engine, "bad", batch, ctx)
+
+
+def test_check_decode_step_measures_again_once_and_then_fails_a_miss_that_stays(tiny_engine, monkeypatch, capsys):
+    """The retry is the lessons' rule: one fresh profile and one more measurement, said aloud; a
+    prediction that still misses fails. Measuring and profiling are stubbed: what is checked is the
+    control flow and the printed line."""
+    from minipaged.bench.gpu import validate as v
+
+    p = hand_profile()
+    asked = []
+    monkeypatch.setattr(machine, "profile", lambda eng, quick=True, fresh=False: asked.append(fresh) or p)
+    step = tuple([(63, 1)] * 4)
+    truth = machine.predict_step(p, step)
+    times = iter([10 * truth, truth * 1.05])                                   # a busy first try, then a quiet one
+    monkeypatch.setattr(v, "measure_decode", lambda eng, batch, prompt_len, steps: v.Sample(step, next(times)))
+    prof, pred = machine.check_decode_step(tiny_engine, "decode step B=4", 4, 64)
+    out = capsys.readouterr().out
+    assert "first try: predicted" in out and "prediction decode step B=4: predicted" in out and pred.ok
+    assert asked == [False, True] and prof is p                               # the second profile is a fresh one
+    times = iter([10 * truth, 10 * truth])                                     # a miss that stays
+    with pytest.raises(AssertionError, match="beyond tolerance"):
+        machine.check_decode_step(tiny_engine, "decode step B=4", 4, 64)
+
+
+def test_record_steps_keeps_every_scheduled_step_whoever_drives_the_engine(tiny_engine):
+    from minipaged.bench.gpu.validate import record_steps
+    from minipaged.sampling import SamplingParams
+
+    with record_steps(tiny_engine) as rec:
+        tiny_engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        while tiny_engine.has_unfinished_requests():
+            tiny_engine.step()                                                  # not rec.step(): untimed, still kept
+    assert rec.steps[0] == ((0, 20),) and rec.steps[1:] == [((20, 1),), ((21, 1),)] and rec.samples == []

@@ -388,10 +388,12 @@ def compare_factorial(cost: StepCostModel, setup: FactorialSetup, measured: dict
 # -- measuring the real engine ----------------------------------------------------------------------
 class record_steps:
     """Within ``with record_steps(engine) as rec:``, every ``engine.step()`` called through
-    ``rec.step()`` is timed, and what its scheduler scheduled is kept: ``rec.samples``."""
+    ``rec.step()`` is timed, and what its scheduler scheduled is kept: ``rec.samples``. Every
+    step scheduled inside the block, whoever drives the engine (``LLM.generate`` too), is kept
+    untimed in ``rec.steps``: its ``(start, num_new)`` pairs, to price with a cost model."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine, self.samples, self._last = engine, [], None
+        self.engine, self.samples, self.steps, self._last = engine, [], [], None
 
     def __enter__(self) -> "record_steps":
         sched = self.engine.scheduler
@@ -400,6 +402,8 @@ class record_steps:
         def schedule(*a: Any, **k: Any) -> Any:
             out = self._orig(*a, **k)
             self._last = tuple((s.start, s.num_new_tokens) for s in out.scheduled)
+            if self._last:
+                self.steps.append(self._last)
             return out
 
         sched.schedule = schedule  # an instance attribute: the engine calls self.scheduler.schedule()
