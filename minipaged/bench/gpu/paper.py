@@ -412,11 +412,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .specs import GPUS, MODELS
 
     p.add_argument("--gpu", default="a100-40gb", help=f"one of {', '.join(GPUS)}")
-    p.add_argument("--model", default="opt-13b", help=f"one of {', '.join(MODELS)}")
-    p.add_argument("--dataset", default="sharegpt", help=f"one of {', '.join(DATASETS)}")
+    p.add_argument("--model", default=None, help=f"one of {', '.join(MODELS)} (default: the paper's for the experiment: "
+                   "opt-13b; llama-13b with --shared-prefix)")
+    p.add_argument("--dataset", default=None, help=f"one of {', '.join(DATASETS)} (default: the paper's for the "
+                   "experiment: sharegpt; alpaca with --parallel-samples/--beam-width, wmt16 with --shared-prefix, "
+                   "chatbot with --chatbot)")
     p.add_argument("--fig13-rate", type=float, default=None, help="req/s for the batched-requests figure "
                    "(default: the paper's, 2 for ShareGPT and 30 for Alpaca)")
-    p.add_argument("--num-requests", type=int, default=10_000, help="requests simulated per system (default 10000)")
+    p.add_argument("--num-requests", type=int, default=None, help="requests simulated per system (default 10000; "
+                   "600 per workload with a sharing experiment, all at once)")
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="normalized latency (s/token) "
                    "a sustained rate stays under")
     p.add_argument("--block-size", type=int, default=16)
@@ -430,11 +434,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, default=None, help="draw Figs. 12 and 13 here (PNG)")
     p.add_argument("--readme", type=Path, default=None, help="rewrite this README's paper block from the result")
     p.add_argument("--no-progress", action="store_true")
+    from .sharing import parse_counts, parse_prefixes
+
+    def said(parse):  # argparse shows an ArgumentTypeError's own words (a ValueError only as "invalid value")
+        def typed(text: str):
+            try:
+                return parse(text)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+        typed.__name__ = parse.__name__
+        return typed
+
+    g = p.add_argument_group("the paper's §6.3-6.5 (one at a time; Orca Max/Pow2/Oracle and vLLM, no FasterTransformer)")
+    g.add_argument("--parallel-samples", type=said(parse_counts), default=None, metavar="N[,N...]",
+                   help="Fig. 14a/15: each request asks for N samples (the paper: 2,4,6; 1 is basic sampling)")
+    g.add_argument("--beam-width", type=said(parse_counts), default=None, metavar="W[,W...]",
+                   help="Fig. 14b/15: each request is a beam search of width W (the paper: 2,4,6)")
+    g.add_argument("--shared-prefix", type=said(parse_prefixes), default=None, metavar="one-shot|five-shot",
+                   help="Fig. 16: every prompt starts with the same 80-token (one-shot) or 341-token (five-shot) prefix")
+    g.add_argument("--chatbot", action="store_true", help="Fig. 17: the conversation so far is the prompt (<= 1,024 "
+                   "tokens), the answer at most 1,024")
 
 
 def run_cli(a: argparse.Namespace) -> int:
-    res = reproduce(a.gpu, a.model, a.dataset, [s.strip() for s in a.systems.split(",") if s.strip()],
-                    a.num_requests, a.fig13_rate, a.threshold, a.block_size, a.memory_gb, a.seed, a.workers,
+    if any(getattr(a, k, None) for k in ("parallel_samples", "beam_width", "shared_prefix", "chatbot")):
+        from .sharing import run_cli as sharing_cli
+
+        return sharing_cli(a)
+    res = reproduce(a.gpu, a.model or "opt-13b", a.dataset or "sharegpt",
+                    [s.strip() for s in a.systems.split(",") if s.strip()],
+                    10_000 if a.num_requests is None else a.num_requests, a.fig13_rate, a.threshold, a.block_size, a.memory_gb, a.seed, a.workers,
                     not a.no_progress, kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto"))
     print(format_table(res))
     if a.plot:
