@@ -144,3 +144,21 @@ def test_two_experiments_at_once_and_bad_values_are_refused():
         reproduce_sharing("speculative", [2])
     with pytest.raises(ValueError, match="fastertransformer"):
         reproduce_sharing("beam", [2], systems=["fastertransformer"])
+
+
+def test_the_readme_sharing_table_is_the_stored_runs_and_its_prose_quotes_them():
+    from pathlib import Path
+
+    from minipaged.bench.gpu.sharing import MARKERS, STORED, readme_block
+
+    root = Path(__file__).resolve().parents[1]
+    runs = [json.loads((root / "docs" / "figures" / f"paper_sharing_{k}.json").read_text()) for k in STORED]
+    for res, k in zip(runs, STORED):
+        assert res["experiment"] == k and "arguments" in res  # written by the bench's save_run
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    b, e = MARKERS
+    assert readme.split(b, 1)[1].split(e, 1)[0].strip() == readme_block(runs).strip(), (
+        "the README's sharing table is not the stored runs: rerun the bench with --readme README.md")
+    chat = runs[3]["runs"][0]["systems"]
+    assert chat["vllm"]["preemptions"] == 248 and "248 times" in readme
+    assert all(0.50 <= chat[s]["max_rate"] <= 0.53 for s in ("orca_max", "orca_pow2", "orca_oracle"))

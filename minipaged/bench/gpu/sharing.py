@@ -364,6 +364,39 @@ def readme_rows(results: list[dict]) -> list[str]:
     return rows
 
 
+STORED = ("parallel", "beam", "prefix", "chatbot")  # docs/figures/paper_sharing_<experiment>.json
+MARKERS = ("<!-- paper_sharing:begin -->", "<!-- paper_sharing:end -->")
+
+
+def readme_block(results: list[dict]) -> str:
+    """The README's table of the sharing experiments, from results of :func:`reproduce_sharing`."""
+    n = {r["settings"]["num_requests"] for r in results}
+    head = [f"Simulated on {results[0]['settings']['gpu']}, {'/'.join(map(str, sorted(n)))} requests per system and "
+            "workload, all at once (`minipaged bench paper --parallel-samples 1,2,4,6`, `--beam-width 2,4,6`, "
+            "`--shared-prefix one-shot,five-shot`, `--chatbot`; stored in docs/figures/paper_sharing_*.json). max rate: "
+            "the rate vLLM completes requests at with its queue full; gains: that over each Orca's; memory saved: the "
+            "blocks vLLM's sharing saves over the blocks its tables would need without it.", "",
+            "| figure | model, dataset | workload | vLLM max rate (req/s) | gain over Orca (Oracle) | paper's gain | "
+            "gain over Orca (Max) / (Pow2) | memory saved | paper's memory saved |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    return "\n".join(head + readme_rows(results))
+
+
+def update_readme(readme: Any, results: list[dict]) -> bool:
+    """Rewrite the text between the README's sharing markers from ``results``."""
+    from pathlib import Path
+
+    p = Path(readme)
+    text = p.read_text(encoding="utf-8")
+    b, e = MARKERS
+    if b not in text or e not in text:
+        return False
+    head, rest = text.split(b, 1)
+    _, tail = rest.split(e, 1)
+    p.write_text(head + b + "\n" + readme_block(results) + "\n" + e + tail, encoding="utf-8")
+    return True
+
+
 def run_cli(a: Any) -> int:
     """``minipaged bench paper`` with one of the sharing flags."""
     chosen = [(k, v) for k, v in (("parallel", a.parallel_samples), ("beam", a.beam_width),
@@ -380,6 +413,15 @@ def run_cli(a: Any) -> int:
     from .. import save_run
 
     save_run(res, a)
+    if a.readme:  # the README's table from the stored runs, this one in its place
+        import json
+        from pathlib import Path
+
+        here = Path(a.json).parent if a.json else Path("docs/figures")
+        runs = {k: here / f"paper_sharing_{k}.json" for k in STORED}
+        results = [res if k == experiment else json.loads(runs[k].read_text()) for k in STORED
+                   if k == experiment or runs[k].exists()]
+        print(f"{'updated' if update_readme(a.readme, results) else 'no sharing markers in'} {a.readme}")
     return 0
 
 
@@ -404,4 +446,4 @@ def parse_counts(text: str) -> list[int]:
 
 
 __all__ = ["EXPERIMENTS", "PAPER", "PREFIX_TOKENS", "SHARING_SYSTEMS", "SimBeams", "Workload", "format_table",
-           "paper_figures", "readme_rows", "reproduce_sharing", "simulate", "workloads"]
+           "paper_figures", "readme_block", "readme_rows", "update_readme", "reproduce_sharing", "simulate", "workloads"]
