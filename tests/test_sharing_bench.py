@@ -7,7 +7,7 @@ import pytest
 from minipaged.beam_search import SharingCounter, sharing_saving
 from minipaged.block_allocator import BlockAllocator
 from minipaged.block_table import BlockTable
-from minipaged.bench.gpu.paper import Setting
+from minipaged.bench.gpu.simulator import Setting
 from minipaged.bench.gpu.sharing import (PREFIX_TOKENS, capacity, format_table, readme_rows, reproduce_sharing,
                                          simulate, workloads, Workload)
 from minipaged.parts import fork_table

@@ -27,7 +27,6 @@ import argparse
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -35,7 +34,7 @@ from .cost import DEFAULT_CALIBRATION, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, Ste
 from ..clock import poisson_arrivals
 from .datasets import get_dataset, sample_lengths
 from .policies import SYSTEMS
-from .simulator import SimResult, build_scheduler
+from .simulator import Setting, SimResult, build_scheduler, pool_map as _pool_map
 from .simulator import run as serve
 from .specs import get_gpu, get_model
 
@@ -60,29 +59,6 @@ LIMITS = {
                 "preempted requests rather than swapping; lengths are synthesized, not the paper's traces.",
 }
 TRACE_SEED_OFFSET = 100  # the one trace every curve point and the Fig. 13 run serve: seed + this
-
-
-@dataclass(frozen=True)
-class Setting:
-    gpu: str = "a100-40gb"
-    model: str = "opt-13b"
-    dataset: str = "sharegpt"
-    block_size: int = 16
-    memory_bytes: int | None = None  # override the GPU's memory (a dial)
-    max_num_seqs: int = MAX_NUM_SEQS
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
-    seed: int = 0
-    kv_cache_dtype: str = "auto"  # "auto": the weights' 16 bits; fp8/int8: 1 byte a value (int8's scales ignored)
-
-    def spec(self):
-        """The model's spec, its KV at ``kv_cache_dtype``'s bytes."""
-        from dataclasses import replace
-
-        m = get_model(self.model)
-        return m if self.kv_cache_dtype == "auto" else replace(m, kv_dtype_bytes=1)
-
-    def max_len(self) -> int:
-        return min(get_model(self.model).max_len, 2048) if self.model.startswith("opt") else get_model(self.model).max_len
 
 
 # the learner's parts, set per process (a worker inherits them when it is forked)
@@ -136,27 +112,6 @@ def _task(args: tuple) -> tuple:
     if kind == "knee":
         return kind, system, find_knee(setting, system, threshold), time.process_time() - t0
     return kind, system, _simulate(setting, system, rate, n, seed), time.process_time() - t0
-
-
-def _pool_map(fn, tasks: list, workers: int, on_result=None) -> list:
-    if workers <= 1 or len(tasks) <= 1:
-        out = []
-        for t in tasks:
-            out.append(fn(t))
-            if on_result:
-                on_result(out[-1], t)
-        return out
-    import multiprocessing as mp
-
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-    out = []
-    with ctx.Pool(workers) as pool:
-        # the slowest tasks first, so the two workers finish together
-        for res, t in zip(pool.imap(fn, tasks), tasks):
-            out.append(res)
-            if on_result:
-                on_result(res, t)
-    return out
 
 
 def reproduce(gpu: str = "a100-40gb", model: str = "opt-13b", dataset: str = "sharegpt",

@@ -32,10 +32,9 @@ with the queue full (the loaded system).
 """
 from __future__ import annotations
 
-import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Iterable
 
@@ -46,9 +45,9 @@ from ...sequence import FinishReason, Sequence, SequenceStatus
 from ..clock import LengthStop, poisson_arrivals
 from .cost import DEFAULT_CALIBRATION, StepCostModel, memory_plan
 from .datasets import get_dataset, sample_lengths
-from .paper import Setting, _pool_map
 from .policies import SYSTEMS
-from .simulator import build_scheduler
+from .simulator import Setting, build_scheduler
+from .simulator import pool_map as _pool_map
 from .simulator import run as serve
 from .specs import get_gpu, get_model
 

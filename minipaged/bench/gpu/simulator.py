@@ -20,6 +20,7 @@ from ..clock import LengthStop, run_clock
 from ..simulate import make_scheduler
 from .cost import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, StepCostModel
 from .policies import SYSTEMS, ReservingScheduler, System
+from .specs import get_model
 
 
 @dataclass
@@ -45,6 +46,55 @@ class SimResult:
         d.pop("batch_sizes")
         d.pop("finish_times")
         return d
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One simulated setting (GPU, model, dataset and the scheduler's limits): what every run of
+    ``minipaged bench paper``'s experiments (``paper.py``, ``sharing.py``) is given."""
+
+    gpu: str = "a100-40gb"
+    model: str = "opt-13b"
+    dataset: str = "sharegpt"
+    block_size: int = 16
+    memory_bytes: int | None = None  # override the GPU's memory (a dial)
+    max_num_seqs: int = MAX_NUM_SEQS
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    seed: int = 0
+    kv_cache_dtype: str = "auto"  # "auto": the weights' 16 bits; fp8/int8: 1 byte a value (int8's scales ignored)
+
+    def spec(self):
+        """The model's spec, its KV at ``kv_cache_dtype``'s bytes."""
+        from dataclasses import replace
+
+        m = get_model(self.model)
+        return m if self.kv_cache_dtype == "auto" else replace(m, kv_dtype_bytes=1)
+
+    def max_len(self) -> int:
+        return min(get_model(self.model).max_len, 2048) if self.model.startswith("opt") else get_model(self.model).max_len
+
+
+def pool_map(fn, tasks: list, workers: int, on_result=None) -> list:
+    if workers <= 1 or len(tasks) <= 1:
+        out = []
+        for t in tasks:
+            out.append(fn(t))
+            if on_result:
+                on_result(out[-1], t)
+        return out
+    """``[fn(t) for t in tasks]``, over ``workers`` forked processes (in order; ``on_result(res, t)``
+    after each)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+    out = []
+    with ctx.Pool(workers) as pool:
+        # the slowest tasks first, so the two workers finish together
+        for res, t in zip(pool.imap(fn, tasks), tasks):
+            out.append(res)
+            if on_result:
+                on_result(res, t)
+    return out
 
 
 def build_scheduler(system: str | System, kv_tokens: int, block_size: int = 16, max_len: int = 2048,
@@ -116,4 +166,4 @@ def run(sched: Any, requests: Seq[tuple[int, int]], arrivals: Seq[float], cost: 
                      r.batch_sizes if keep_batches else [], r.finish)
 
 
-__all__ = ["SimResult", "build_scheduler", "LengthStop", "run"]
+__all__ = ["Setting", "SimResult", "build_scheduler", "LengthStop", "pool_map", "run"]
