@@ -168,6 +168,12 @@ class StaticBatching:
         return self.inner.update(out, sampled)
 
 
+def _request_of(seq: Sequence) -> int:
+    """The request a simulated sequence serves: ``seq.request`` when it has one (a fork, a beam, one
+    of several copies), else its ``seq_id``."""
+    return getattr(seq, "request", seq.seq_id)
+
+
 def _inner_attr(sched: Any, name: str) -> Any:
     """``sched.name``, looked for through wrappers (``inner``) down to the scheduler."""
     while not hasattr(sched, name) and hasattr(sched, "inner"):
@@ -234,7 +240,9 @@ class ClockRun:
 def run_clock(sched: Any, requests: Seq[tuple[int, int]], arrivals: Seq[float], cost: StepSeconds, *,
               arrival_overhead: RequestSeconds | float | None = None, tokens: Callable[[int], list] | None = None,
               idle_steps: bool = False, skip_ahead: bool = False, keep_token_times: bool = False,
-              on_step: Callable[[Any, list, float], None] | None = None, max_steps: int | None = None) -> ClockRun:
+              on_step: Callable[[Any, list, float], None] | None = None, max_steps: int | None = None,
+              make_request: Callable[[int, int, int], Any] | None = None,
+              after_update: Callable[[Any, list], list] | None = None) -> ClockRun:
     """Serve ``requests`` (``(prompt_len, output_len)`` pairs, EOS ignored) arriving at
     ``arrivals`` (on the clock: seconds, or steps under :func:`unit_steps`) through ``sched``
     (minipaged's ``Scheduler`` over its block pool, or any parts meeting the contracts, or a
@@ -255,11 +263,22 @@ def run_clock(sched: Any, requests: Seq[tuple[int, int]], arrivals: Seq[float], 
       and ``update``: each is priced by ``cost.decode_totals_time`` (:class:`DecodeTotals`), and
       the sequences, their stop rules and block tables are moved on together at the end. The
       results equal the step-by-step run's (tests/test_simgpu.py checks it);
-    * ``max_steps``: raise when the run has not finished by then (a stuck request).
+    * ``max_steps``: raise when the run has not finished by then (a stuck request);
+    * ``make_request(i, prompt_len, output_len)``: the sequence(s) request ``i`` is served as
+      (one ``Sequence`` or a list; default one ``Sequence`` with ``seq_id`` ``i`` and zeros). A
+      sequence whose ``seq_id`` is not ``i`` names its request in ``seq.request``; with several
+      sequences, or forks (parallel sampling: ``seq.forks``), the request's first token is its
+      first sequence's and it finishes with its last. Each needs a stop rule (:class:`LengthStop`);
+    * ``after_update(out, finished)``: called after each step's ``update`` (a caller's rule that
+      changes the sequences, e.g. beam search forking and dropping beams); returns the sequences
+      it finished. Needs ``skip_ahead=False``.
     """
     n = len(requests)
     if len(arrivals) != n:
         raise ValueError(f"got {len(arrivals)} arrival times for {n} requests: give one per request")
+    if skip_ahead and after_update is not None:
+        raise ValueError("skip_ahead takes steps without the scheduler, and after_update changes the sequences "
+                         "every step: run with skip_ahead=False")
     if skip_ahead and on_step is not None:
         raise ValueError("skip_ahead takes steps without the scheduler, which on_step cannot observe: choose one")
     if skip_ahead and not hasattr(cost, "decode_totals_time"):
@@ -285,10 +304,17 @@ def run_clock(sched: Any, requests: Seq[tuple[int, int]], arrivals: Seq[float], 
         while k < n and ready[k] <= t:
             i = order[k]
             p, o = requests[i]
-            seq = Sequence(i, tokens(p), max_tokens=o, ignore_eos=True)
-            seq.stop_checker = LengthStop(seq, max_len)
-            if not sched.add_request(seq):
-                run.rejected.append((i, seq.reject_reason))
+            if make_request is None:
+                seq = Sequence(i, tokens(p), max_tokens=o, ignore_eos=True)
+                seq.stop_checker = LengthStop(seq, max_len)
+                seqs = [seq]
+            else:
+                made = make_request(i, p, o)
+                seqs = list(made) if isinstance(made, (list, tuple)) else [made]
+            for seq in seqs:
+                if not sched.add_request(seq):
+                    run.rejected.append((i, seq.reject_reason))
+                    break
             k += 1
         return k
 
@@ -307,17 +333,20 @@ def run_clock(sched: Any, requests: Seq[tuple[int, int]], arrivals: Seq[float], 
                 raise RuntimeError(f"the scheduler runs nothing although {len(sched.waiting)} request(s) wait and "
                                    "nothing runs: check its admission rule")
         t += cost(scheduled)
-        samplers = [s.seq.seq_id for s in scheduled if s.samples]
-        finished = sched.update(out, dict(zip(samplers, tokens(len(samplers)))))
+        samplers = [q for s in scheduled if s.samples for q in (s.seq, *s.seq.forks)]
+        ids = [q.seq_id for q in samplers]
+        finished = sched.update(out, dict(zip(ids, tokens(len(ids)))))
+        if after_update is not None:
+            finished = list(finished) + list(after_update(out, finished))
         for s in scheduled:
-            computed[s.seq.seq_id] += s.num_new_tokens
-        for i in samplers:
+            computed[_request_of(s.seq)] += s.num_new_tokens
+        for i in dict.fromkeys(_request_of(q) for q in samplers):
             if first[i] != first[i]:
                 first[i] = t
             if times is not None:
                 times[i].append(t)
         for seq in finished:
-            finish[seq.seq_id] = t
+            finish[_request_of(seq)] = t
         run.num_preemptions += len(out.preempted)
         m = len(scheduled)
         batches.append(m)
@@ -349,14 +378,14 @@ def run_clock(sched: Any, requests: Seq[tuple[int, int]], arrivals: Seq[float], 
             batches.append(m)
             ends.append(t)
             if times is not None:
-                for s in running:
-                    times[s.seq_id].append(t)
+                for i in dict.fromkeys(_request_of(s) for s in running):
+                    times[i].append(t)
         if j:
             for s in running:
                 s.block_table.append_tokens(j)
                 s.num_computed_tokens += j
                 s.stop_checker.advance(j)
-                computed[s.seq_id] += j
+                computed[_request_of(s)] += j
     run.end = t
     return run
 

@@ -50,11 +50,26 @@ class Dataset:
     output: LengthDist
     fig13_rate: float  # the request rate of the paper's Fig. 13 for this dataset (req/s)
     source: str = "Kwon et al., SOSP 2023, Fig. 11 (means); sigma: this module's stated assumption"
+    input_cap: int | None = None  # prompts cut to this many tokens (None: the model's context)
+    output_cap: int | None = None  # outputs cut to this many tokens
+
+
+# Two workloads of the paper's §6.4-6.5 whose lengths it does not give; each is this module's assumption:
+# - wmt16: one English sentence to translate into German (the prompt without its shared few-shot prefix),
+#   about 30 LLaMA tokens, its translation a little longer (German runs longer than English);
+# - chatbot: the conversation so far as the prompt, cut to its last 1,024 tokens, and an answer of at most
+#   1,024 (§6.5). The paper says most prompts reach the 1,024 cut: a mean of 900 after the cut (sigma 0.8)
+#   puts about two prompts in three at it; the answers are ShareGPT's, cut at 1,024.
+_WMT16 = "WMT16 En-De sentence lengths: this module's assumption (the paper gives none)"
+_CHAT = "Kwon et al., SOSP 2023, §6.5 (1,024-token cuts); history length: this module's assumption"
 
 
 DATASETS: dict[str, Dataset] = {
     "sharegpt": Dataset("sharegpt", LengthDist(161.31, 1.0), LengthDist(337.99, 0.9), fig13_rate=2.0),
     "alpaca": Dataset("alpaca", LengthDist(19.31, 0.5), LengthDist(58.45, 0.7), fig13_rate=30.0),
+    "wmt16": Dataset("wmt16", LengthDist(30.0, 0.5), LengthDist(36.0, 0.5), fig13_rate=10.0, source=_WMT16),
+    "chatbot": Dataset("chatbot", LengthDist(900.0, 0.8), LengthDist(337.99, 0.9), fig13_rate=1.0, source=_CHAT,
+                       input_cap=1024, output_cap=1024),
 }
 
 
@@ -99,7 +114,7 @@ def sample_lengths(dataset: str | Dataset, n: int, max_len: int = 2048, seed: in
     """``n`` (prompt_len, output_len) pairs for ``dataset``, with prompt + output <= ``max_len``."""
     d = get_dataset(dataset)
     rng = np.random.default_rng(seed)
-    p = d.input.sample(rng, n, max_len - 1)
-    o = d.output.sample(rng, n, max_len - 1)
+    p = d.input.sample(rng, n, min(max_len - 1, d.input_cap or max_len))
+    o = d.output.sample(rng, n, min(max_len - 1, d.output_cap or max_len))
     o = np.minimum(o, max_len - p)
     return [(int(a), int(b)) for a, b in zip(p, o)]

@@ -27,7 +27,6 @@ import argparse
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -35,7 +34,7 @@ from .cost import DEFAULT_CALIBRATION, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, Ste
 from ..clock import poisson_arrivals
 from .datasets import get_dataset, sample_lengths
 from .policies import SYSTEMS
-from .simulator import SimResult, build_scheduler
+from .simulator import Setting, SimResult, build_scheduler, pool_map as _pool_map
 from .simulator import run as serve
 from .specs import get_gpu, get_model
 
@@ -60,29 +59,6 @@ LIMITS = {
                 "preempted requests rather than swapping; lengths are synthesized, not the paper's traces.",
 }
 TRACE_SEED_OFFSET = 100  # the one trace every curve point and the Fig. 13 run serve: seed + this
-
-
-@dataclass(frozen=True)
-class Setting:
-    gpu: str = "a100-40gb"
-    model: str = "opt-13b"
-    dataset: str = "sharegpt"
-    block_size: int = 16
-    memory_bytes: int | None = None  # override the GPU's memory (a dial)
-    max_num_seqs: int = MAX_NUM_SEQS
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
-    seed: int = 0
-    kv_cache_dtype: str = "auto"  # "auto": the weights' 16 bits; fp8/int8: 1 byte a value (int8's scales ignored)
-
-    def spec(self):
-        """The model's spec, its KV at ``kv_cache_dtype``'s bytes."""
-        from dataclasses import replace
-
-        m = get_model(self.model)
-        return m if self.kv_cache_dtype == "auto" else replace(m, kv_dtype_bytes=1)
-
-    def max_len(self) -> int:
-        return min(get_model(self.model).max_len, 2048) if self.model.startswith("opt") else get_model(self.model).max_len
 
 
 # the learner's parts, set per process (a worker inherits them when it is forked)
@@ -136,27 +112,6 @@ def _task(args: tuple) -> tuple:
     if kind == "knee":
         return kind, system, find_knee(setting, system, threshold), time.process_time() - t0
     return kind, system, _simulate(setting, system, rate, n, seed), time.process_time() - t0
-
-
-def _pool_map(fn, tasks: list, workers: int, on_result=None) -> list:
-    if workers <= 1 or len(tasks) <= 1:
-        out = []
-        for t in tasks:
-            out.append(fn(t))
-            if on_result:
-                on_result(out[-1], t)
-        return out
-    import multiprocessing as mp
-
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-    out = []
-    with ctx.Pool(workers) as pool:
-        # the slowest tasks first, so the two workers finish together
-        for res, t in zip(pool.imap(fn, tasks), tasks):
-            out.append(res)
-            if on_result:
-                on_result(res, t)
-    return out
 
 
 def reproduce(gpu: str = "a100-40gb", model: str = "opt-13b", dataset: str = "sharegpt",
@@ -412,11 +367,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .specs import GPUS, MODELS
 
     p.add_argument("--gpu", default="a100-40gb", help=f"one of {', '.join(GPUS)}")
-    p.add_argument("--model", default="opt-13b", help=f"one of {', '.join(MODELS)}")
-    p.add_argument("--dataset", default="sharegpt", help=f"one of {', '.join(DATASETS)}")
+    p.add_argument("--model", default=None, help=f"one of {', '.join(MODELS)} (default: the paper's for the experiment: "
+                   "opt-13b; llama-13b with --shared-prefix)")
+    p.add_argument("--dataset", default=None, help=f"one of {', '.join(DATASETS)} (default: the paper's for the "
+                   "experiment: sharegpt; alpaca with --parallel-samples/--beam-width, wmt16 with --shared-prefix, "
+                   "chatbot with --chatbot)")
     p.add_argument("--fig13-rate", type=float, default=None, help="req/s for the batched-requests figure "
                    "(default: the paper's, 2 for ShareGPT and 30 for Alpaca)")
-    p.add_argument("--num-requests", type=int, default=10_000, help="requests simulated per system (default 10000)")
+    p.add_argument("--num-requests", type=int, default=None, help="requests simulated per system (default 10000; "
+                   "600 per workload with a sharing experiment, all at once)")
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="normalized latency (s/token) "
                    "a sustained rate stays under")
     p.add_argument("--block-size", type=int, default=16)
@@ -430,11 +389,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, default=None, help="draw Figs. 12 and 13 here (PNG)")
     p.add_argument("--readme", type=Path, default=None, help="rewrite this README's paper block from the result")
     p.add_argument("--no-progress", action="store_true")
+    from .sharing import parse_counts, parse_prefixes
+
+    def said(parse):  # argparse shows an ArgumentTypeError's own words (a ValueError only as "invalid value")
+        def typed(text: str):
+            try:
+                return parse(text)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+        typed.__name__ = parse.__name__
+        return typed
+
+    g = p.add_argument_group("the paper's §6.3-6.5 (one at a time; Orca Max/Pow2/Oracle and vLLM, no FasterTransformer)")
+    g.add_argument("--parallel-samples", type=said(parse_counts), default=None, metavar="N[,N...]",
+                   help="Fig. 14a/15: each request asks for N samples (the paper: 2,4,6; 1 is basic sampling)")
+    g.add_argument("--beam-width", type=said(parse_counts), default=None, metavar="W[,W...]",
+                   help="Fig. 14b/15: each request is a beam search of width W (the paper: 2,4,6)")
+    g.add_argument("--shared-prefix", type=said(parse_prefixes), default=None, metavar="one-shot|five-shot",
+                   help="Fig. 16: every prompt starts with the same 80-token (one-shot) or 341-token (five-shot) prefix")
+    g.add_argument("--chatbot", action="store_true", help="Fig. 17: the conversation so far is the prompt (<= 1,024 "
+                   "tokens), the answer at most 1,024")
 
 
 def run_cli(a: argparse.Namespace) -> int:
-    res = reproduce(a.gpu, a.model, a.dataset, [s.strip() for s in a.systems.split(",") if s.strip()],
-                    a.num_requests, a.fig13_rate, a.threshold, a.block_size, a.memory_gb, a.seed, a.workers,
+    if any(getattr(a, k, None) for k in ("parallel_samples", "beam_width", "shared_prefix", "chatbot")):
+        from .sharing import run_cli as sharing_cli
+
+        return sharing_cli(a)
+    res = reproduce(a.gpu, a.model or "opt-13b", a.dataset or "sharegpt",
+                    [s.strip() for s in a.systems.split(",") if s.strip()],
+                    10_000 if a.num_requests is None else a.num_requests, a.fig13_rate, a.threshold, a.block_size, a.memory_gb, a.seed, a.workers,
                     not a.no_progress, kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto"))
     print(format_table(res))
     if a.plot:

@@ -101,6 +101,9 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     # OPT: 2,048 learned positions (+2 offset rows), fc1/fc2 MLP, tied LM head; 12.85e9 parameters.
     ModelSpec("opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, 2048, 12_853_000_000, "plain", True,
               _HF + "facebook/opt-13b; Zhang et al., OPT (2022), Table 1"),
+    # LLaMA (1) 13B, the paper's model for the shared-prefix figure (§6.4): Llama 2 13B's shape, 2,048 positions.
+    ModelSpec("llama-13b", 40, 5120, 40, 40, 128, 13824, 32000, 2048, 13_016_000_000, "gated", False,
+              "Touvron et al., LLaMA (2023), Table 2 (13B: 40 layers, 5,120 wide, 40 heads, 2,048 context)"),
     ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, 4096, 6_738_000_000, "gated", False,
               _HF + "meta-llama/Llama-2-7b-hf; Touvron et al., Llama 2 (2023)"),
     ModelSpec("llama-2-13b", 40, 5120, 40, 40, 128, 13824, 32000, 4096, 13_016_000_000, "gated", False,
