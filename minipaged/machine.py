@@ -142,7 +142,7 @@ def _private_engine(engine: Any, s: dict) -> Any:
     return LLMEngine(engine.model, None, config=cfg, parts=Parts(attention=engine.parts.attention))
 
 
-def _measure(engine: Any, quick: bool) -> MachineProfile:
+def _measure(engine: Any, quick: bool, fresh: bool = False) -> MachineProfile:
     from .bench import hardware
     from .bench.gpu import validate as v
 
@@ -152,7 +152,7 @@ def _measure(engine: Any, quick: bool) -> MachineProfile:
     s["prefill_tokens"] = tuple(sorted({min(n, room) for n in s["prefill_tokens"]}))
     s["decode_context"] = min(s["decode_context"], room - s["decode_steps"] - 4)
     model, c = engine.model, engine.model.config
-    ceil = hardware.ceilings(quick=quick)
+    ceil = hardware.ceilings(quick=quick, cache_s=0 if fresh else hardware.CEILINGS_TTL_S)  # one roofline a sitting
     if engine.plan.routes["linear"].startswith("torch"):
         lp = hardware.linear_profile(model, rows=s["rows"], repeats=s["linear_repeats"])
     else:
@@ -199,7 +199,7 @@ def profile(llm_or_engine: Any, quick: bool = True, fresh: bool = False) -> Mach
         prof = kept[key]
         print(f"machine profile: cached (measured {time.monotonic() - prof.measured_at:.1f} s ago)")
         return prof
-    prof = _measure(eng, quick)
+    prof = _measure(eng, quick, fresh)
     kept[key] = prof
     print(f"machine profile: measured in {prof.measure_seconds:.1f} s (route: {prof.route})")
     return prof

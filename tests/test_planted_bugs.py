@@ -56,6 +56,19 @@ PLANTS = [
     Plant("scheduler: one seat too many", "06_continuous_batching", "scheduler.py",
           r"seats < (self\.max_num_seqs):(\s*)seq = self\.waiting\[0\](\s*)if seats \+ 1 \+ len\(seq\.forks\) > self\.max_num_seqs:",
           r"seats <= \1:\2seq = self.waiting[0]\3if seats + len(seq.forks) > self.max_num_seqs:", ""),
+    # The machine profile's linear layers timed three times too slow (a wrong profile): every lesson that
+    # predicts a time from it must miss beyond its tolerance and fail (the fitted overheads cannot go below
+    # zero to hide it, and the one retry measures the same wrong profile again).
+    *[Plant(f"machine profile: linear layers 3x too slow ({lesson[:2]})", lesson, "machine.py",
+            r'LinearProfile\(lp\["rows"\], lower_envelope\(lp\["body_s"\]\)',
+            r'LinearProfile(lp["rows"], [3 * t for t in lower_envelope(lp["body_s"])]', "beyond tolerance")
+      for lesson in ("07_whole_engine", "12_speculative_decoding")],
+    # The step-cost model drops its overheads (the per-step, per-sequence and per-token costs fitted on real
+    # steps): what is left is the route's operators alone, and the lessons' step predictions fall short.
+    *[Plant(f"cost model: overheads dropped ({lesson[:2]})", lesson, "bench/gpu/cost.py",
+            r"overhead = c\.step_overhead_s \+ c\.seq_overhead_s \* seqs \+ c\.token_overhead_s \* tokens",
+            "overhead = 0.0", "beyond tolerance")
+      for lesson in ("07_whole_engine", "12_speculative_decoding")],
 ]
 
 

@@ -15,6 +15,7 @@ It never runs the engine; ``minipaged.bench.serving`` reads these figures.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
@@ -67,16 +68,59 @@ def gemm_gflops(n: int = 1024, repeats: int = 8, dtype: torch.dtype = torch.floa
     return 2 * n**3 / _best(lambda: torch.matmul(a, b, out=out), repeats) / 1e9
 
 
-def ceilings(quick: bool = True) -> dict[str, float]:
+# How long ceilings measured with cache_s=CEILINGS_TTL_S are kept on disk: one sitting of lessons (a
+# `make notebooks` run, a learner's evening) reads one roofline instead of one per process.
+CEILINGS_TTL_S = 3600.0
+
+
+def _ceilings_file(quick: bool) -> Any:
+    import platform
+
+    from ..cpu.build import cache_dir
+
+    sig = f"{platform.node()}-{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}-{'quick' if quick else 'full'}"
+    import hashlib
+
+    return cache_dir() / f"ceilings-{hashlib.sha1(sig.encode()).hexdigest()[:12]}.json", sig
+
+
+def ceilings(quick: bool = True, cache_s: float | None = None) -> dict[str, float]:
     """This machine's two ceilings, measured as ``minipaged bench`` measures them (``quick``: its
     ``--quick`` sizes), so lesson 01, lesson 07 and the bench read one roofline: GEMM FLOP/s,
     read and copy bandwidth, the ridge point (flops per byte read) and the batch where an fp32
-    decode step's weight traffic stops being the bottleneck (B* = 2 x ridge)."""
+    decode step's weight traffic stops being the bottleneck (B* = 2 x ridge).
+
+    ``cache_s``: reuse the ceilings this machine (same host, cores, threads and torch) measured
+    less than ``cache_s`` seconds ago, kept in minipaged's cache folder, and keep a new
+    measurement there: a machine's bandwidth moves by a third from one moment to the next on a
+    shared host, and lessons run in separate processes should read one roofline, not one each.
+    ``None`` (the default) or 0: measure now (0 also keeps it). ``measured_at`` (``time.time()``)
+    and ``cached`` say which."""
+    import json
+
+    path, sig = _ceilings_file(quick)
+    if cache_s:
+        try:
+            kept = json.loads(path.read_text())
+            if kept.get("signature") == sig and 0 <= time.time() - kept["measured_at"] < cache_s:
+                return {**{k: float(v) for k, v in kept["ceilings"].items()}, "measured_at": kept["measured_at"],
+                        "cached": True}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no file, another machine's, or unreadable: measure
     bw = bandwidth(mib=128 if quick else 256, repeats=3 if quick else 5)
     gf = gemm_gflops(repeats=4 if quick else 8)
-    return {"gemm_gflops": gf, "read_GBps": bw["read_GBps"], "copy_GBps": bw["copy_GBps"],
-            "ridge_flops_per_byte": gf / bw["read_GBps"],
-            "fp32_compute_bound_batch": predicted_compute_bound_batch(gf, bw["read_GBps"], 4.0)}
+    out = {"gemm_gflops": gf, "read_GBps": bw["read_GBps"], "copy_GBps": bw["copy_GBps"],
+           "ridge_flops_per_byte": gf / bw["read_GBps"],
+           "fp32_compute_bound_batch": predicted_compute_bound_batch(gf, bw["read_GBps"], 4.0)}
+    now = time.time()
+    if cache_s is not None:
+        try:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"signature": sig, "measured_at": now, "ceilings": out}))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache folder: the ceilings are still measured, only not kept
+    return {**out, "measured_at": now, "cached": False}
 
 
 def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:

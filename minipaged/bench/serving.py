@@ -292,11 +292,14 @@ def run_bench(
     progress: bool = True,
     gguf_blocks: bool | None = None,
     engine: dict | None = None,
+    ceilings_cache_s: float | None = None,
 ) -> dict:
     """Run every system on one workload with one KV budget: exactly what ``static_batch``
     contiguous max-length reservations take. ``naive_requests=None`` serves every request naively.
     ``systems`` defaults to the shape's (QUICK or FULL). ``engine``: EngineConfig settings every
-    minipaged system gets (the command line's engine flags), over the bench's own choices."""
+    minipaged system gets (the command line's engine flags), over the bench's own choices.
+    ``ceilings_cache_s``: the roofline's ceilings from ``hardware.ceilings(cache_s=...)`` (a lesson
+    reads the ones its sitting measured); default: measured now."""
     if systems is None:
         systems = (QUICK if quick else FULL)["systems"]
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -359,8 +362,9 @@ def run_bench(
         "systems": {},
     }
     # -- the machine
-    bw = hardware.bandwidth(mib=128 if quick else 256, repeats=3 if quick else 5)
-    gf = hardware.gemm_gflops(repeats=4 if quick else 8)
+    ceil = hardware.ceilings(quick=quick, cache_s=ceilings_cache_s)
+    bw = {"read_GBps": ceil["read_GBps"], "copy_GBps": ceil["copy_GBps"]}
+    gf = ceil["gemm_gflops"]
     fpt = flops_per_token(model, float(np.mean([len(p) + o / 2 for p, o in reqs])))
     result["ceiling"] = {"gemm_gflops": gf, "flops_per_token": fpt, "compute_bound_tokens_per_s": gf * 1e9 / fpt}
     rb = roofline_batches or ((1, 4, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128))
