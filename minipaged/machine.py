@@ -21,7 +21,7 @@ from .bench.gpu.specs import ModelSpec
 
 # The profile's grids. Quick: a lesson's budget (about 10 s for SmolLM2-135M on 2 CPU cores); full: the
 # CPU validation's grids. Rows past a grid's last point extend its last segment (cost._interp).
-QUICK = {"rows": (1, 2, 3, 4, 8, 16, 32, 64, 128), "linear_repeats": 3,
+QUICK = {"rows": (1, 2, 3, 4, 8, 16, 32, 64, 128), "linear_repeats": 5,
          "attention_batches": (1, 8, 64), "attention_contexts": (32, 128, 512), "attention_repeats": 2,
          "decode_batches": (1, 16), "decode_context": 32, "decode_steps": 3, "prefill_tokens": (256,)}
 FULL = {"rows": (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024),
@@ -152,7 +152,7 @@ def _measure(engine: Any, quick: bool, fresh: bool = False) -> MachineProfile:
     s["prefill_tokens"] = tuple(sorted({min(n, room) for n in s["prefill_tokens"]}))
     s["decode_context"] = min(s["decode_context"], room - s["decode_steps"] - 4)
     model, c = engine.model, engine.model.config
-    ceil = hardware.ceilings(quick=quick, cache_s=0 if fresh else hardware.CEILINGS_TTL_S)  # one roofline a sitting
+    ceil = hardware.ceilings(quick=quick, cache_s=hardware.CEILINGS_TTL_S)  # one roofline a sitting: each ceiling's best
     if engine.plan.routes["linear"].startswith("torch"):
         lp = hardware.linear_profile(model, rows=s["rows"], repeats=s["linear_repeats"])
     else:

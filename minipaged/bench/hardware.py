@@ -90,37 +90,39 @@ def ceilings(quick: bool = True, cache_s: float | None = None) -> dict[str, floa
     read and copy bandwidth, the ridge point (flops per byte read) and the batch where an fp32
     decode step's weight traffic stops being the bottleneck (B* = 2 x ridge).
 
-    ``cache_s``: reuse the ceilings this machine (same host, cores, threads and torch) measured
-    less than ``cache_s`` seconds ago, kept in minipaged's cache folder, and keep a new
-    measurement there: a machine's bandwidth moves by a third from one moment to the next on a
-    shared host, and lessons run in separate processes should read one roofline, not one each.
-    ``None`` (the default) or 0: measure now (0 also keeps it). ``measured_at`` (``time.time()``)
-    and ``cached`` say which."""
+    ``cache_s``: one roofline for a sitting. Lessons run in separate processes, and a shared
+    host's bandwidth moves by a third from one moment to the next, so each would print its own.
+    With ``cache_s``, the ceilings are still measured, then merged with the ones this machine
+    (same host, cores, threads and torch) kept in minipaged's cache folder less than ``cache_s``
+    seconds ago, keeping each ceiling's best reading (a busy moment only ever lowers a ceiling),
+    and the merge is kept for the next process. ``None`` (the default): this measurement alone,
+    nothing kept. ``measured_at`` (``time.time()`` of the oldest reading used) and ``kept`` (how
+    many earlier readings were merged) say which."""
     import json
 
-    path, sig = _ceilings_file(quick)
-    if cache_s:
-        try:
-            kept = json.loads(path.read_text())
-            if kept.get("signature") == sig and 0 <= time.time() - kept["measured_at"] < cache_s:
-                return {**{k: float(v) for k, v in kept["ceilings"].items()}, "measured_at": kept["measured_at"],
-                        "cached": True}
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # no file, another machine's, or unreadable: measure
     bw = bandwidth(mib=128 if quick else 256, repeats=3 if quick else 5)
     gf = gemm_gflops(repeats=4 if quick else 8)
-    out = {"gemm_gflops": gf, "read_GBps": bw["read_GBps"], "copy_GBps": bw["copy_GBps"],
-           "ridge_flops_per_byte": gf / bw["read_GBps"],
-           "fp32_compute_bound_batch": predicted_compute_bound_batch(gf, bw["read_GBps"], 4.0)}
     now = time.time()
-    if cache_s is not None:
+    best = {"gemm_gflops": gf, "read_GBps": bw["read_GBps"], "copy_GBps": bw["copy_GBps"]}
+    since, kept = now, 0
+    if cache_s:
+        path, sig = _ceilings_file(quick)
+        try:
+            old = json.loads(path.read_text())
+            if old.get("signature") == sig and 0 <= now - old["measured_at"] < cache_s:
+                best = {k: max(v, float(old["ceilings"][k])) for k, v in best.items()}
+                since, kept = float(old["measured_at"]), int(old.get("readings", 1))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no file, another machine's, or unreadable: this reading starts a new sitting
         try:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"signature": sig, "measured_at": now, "ceilings": out}))
+            tmp.write_text(json.dumps({"signature": sig, "measured_at": since, "readings": kept + 1, "ceilings": best}))
             os.replace(tmp, path)
         except OSError:
-            pass  # a read-only cache folder: the ceilings are still measured, only not kept
-    return {**out, "measured_at": now, "cached": False}
+            pass  # a read-only cache folder: this reading is still returned, only not kept
+    gf, read = best["gemm_gflops"], best["read_GBps"]
+    return {**best, "ridge_flops_per_byte": gf / read, "fp32_compute_bound_batch": predicted_compute_bound_batch(gf, read, 4.0),
+            "measured_at": since, "kept": kept}
 
 
 def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
