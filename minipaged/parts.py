@@ -68,6 +68,12 @@ def fork_table(table: BlockTableProtocol) -> BlockTableProtocol:
     return child
 
 
+def free_table(table: BlockTableProtocol) -> None:
+    """Give every block of ``table`` back at once (one reference each: blocks other tables share
+    stay with them); the table then holds nothing."""
+    table.free()
+
+
 def check_table(table: BlockTableProtocol) -> None:
     blocks = list(table.blocks)
     assert len(blocks) == len(set(blocks)), f"a block appears twice in one table: {blocks}"
@@ -165,6 +171,6 @@ def require_support(cls: type, method: str, feature: str, setting: str, role: st
 
 __all__ = [
     "cdiv", "num_used_blocks", "ref_counts", "allocate_many", "check_pool", "num_reserved_slots",
-    "fork_table", "check_table", "check_scheduler", "missing_members", "check_part",
+    "fork_table", "free_table", "check_table", "check_scheduler", "missing_members", "check_part",
     "declared_support", "require_support",
 ]
