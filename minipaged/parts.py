@@ -61,10 +61,9 @@ def num_reserved_slots(table: BlockTableProtocol) -> int:
 def fork_table(table: BlockTableProtocol) -> BlockTableProtocol:
     """A second table of the same class sharing every block of ``table`` (ref counts go up)."""
     child = type(table)(table.allocator)
-    for b in table.blocks:
+    child.blocks, child.num_tokens = list(table.blocks), table.num_tokens
+    for b in child.blocks:  # one more holder of each
         table.allocator.incref(b)
-    child.blocks = list(table.blocks)
-    child.num_tokens = table.num_tokens
     return child
 
 
