@@ -265,7 +265,7 @@ class BeamGroup:
         from .data import FinishReason, Sequence, SequenceStatus
         from .detokenizer import StopChecker
         from .sampling import Logprob
-        from .parts import fork_table
+        from .parts import fork_table, free_table
 
         beams = self.beams
         self.req.seq.forks = []  # the seats held for the first step are the beams' own now
@@ -281,6 +281,9 @@ class BeamGroup:
         for q in beams:
             mine = kids.get(q.seq_id)
             if not mine:  # no child: its blocks go back now
+                table, q.block_table = q.block_table, None
+                if table is not None:
+                    getattr(scheduler, "free_table", free_table)(table)
                 scheduler.finish(q, FinishReason.ABORT)
                 gone.append(q)
                 self.counts["dropped"] += 1
@@ -289,7 +292,7 @@ class BeamGroup:
                 c = Sequence(f"{self.req.seq.seq_id}#b{next(self._ids)}", q.prompt_token_ids, max_tokens=q.max_tokens,
                              eos_token_ids=q.eos_token_ids, ignore_eos=True, sampling_params=q.sampling_params)
                 c.output_token_ids = list(q.output_token_ids)
-                c.block_table = fork_table(q.block_table)
+                c.block_table = getattr(scheduler, "fork_table", fork_table)(q.block_table)
                 c.num_computed_tokens = q.num_computed_tokens
                 c.stop_checker = StopChecker.for_sequence(c, max_model_len=self.max_model_len)
                 c.stop_checker.num_output_tokens = len(c.output_token_ids)

@@ -155,6 +155,10 @@ class Parts:
     prefix_cache_cls: Any = None  # default: minipaged.prefix_cache.PrefixCache (used when prefix caching is on)
     proposer: Any = None  # default: minipaged.spec_decode.propose_ngram (interfaces.ProposerFn; used when speculative_config is on)
     kv_connector: Any = None  # interfaces.KVConnector class; default: the host tier when kv_offloading_size is set, else none
+    # how tables share blocks (interfaces.SharingFns; minipaged's scheduler and beam search call them):
+    fork_table: Any = None  # default: minipaged.parts.fork_table (a beam or a sample forked from its parent)
+    copy_on_write: Any = None  # default: minipaged.prefix_cache.copy_on_write (before a write into shared blocks)
+    free_table: Any = None  # default: minipaged.parts.free_table (a beam that falls out of a beam search)
     # (None means minipaged's own part: the engine fills them in, minipaged.engine.resolve_parts)
 
 

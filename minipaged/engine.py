@@ -246,6 +246,21 @@ def build_block_pool(parts: Parts, config: EngineConfig, num_blocks: int) -> tup
     return allocator, prefix_cache
 
 
+def plug_sharing_fns(scheduler: Any, parts: Parts) -> None:
+    """The parts ``fork_table``, ``copy_on_write`` and ``free_table`` given (interfaces.SharingFns), on the
+    scheduler that calls them: refused, naming the part, when one is not callable or the scheduler's
+    schedule() does not declare it calls them."""
+    given = {n: getattr(parts, n) for n in ("fork_table", "copy_on_write", "free_table") if getattr(parts, n) is not None}
+    if not given:
+        return
+    for name, fn in given.items():
+        if not callable(fn):
+            raise TypeError(f"{name} must be a function (see minipaged.interfaces.SharingFns), got {type(fn).__name__}")
+    require_support(type(scheduler), "schedule", "sharing_fns", ", ".join(given), "scheduler")
+    for name, fn in given.items():
+        setattr(scheduler, name, fn)
+
+
 class LLMEngine:
     """``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``.
 
@@ -271,6 +286,7 @@ class LLMEngine:
         self.allocator, self.prefix_cache = build_block_pool(parts, config, num_blocks)
         self.scheduler = parts.scheduler_cls(self.allocator, parts.block_table_cls, config)
         check_part(self.scheduler, SchedulerProtocol, "scheduler")
+        plug_sharing_fns(self.scheduler, parts)
         self.kv_cache = KVCache(mcfg.num_layers, num_blocks, config.block_size, kv_heads, mcfg.head_dim, self.dtype,
                                 self.device, kv_cache_dtype=config.kv_cache_dtype,
                                 calculate_kv_scales=config.calculate_kv_scales)

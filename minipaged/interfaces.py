@@ -18,6 +18,8 @@ Constructors are part of the contract:
   prefix caching is on)
 - ``attention``: a ``PagedAttentionFn`` (or a name, see ``minipaged.attention.get_backend``)
 - ``proposer``: a ``ProposerFn`` (speculative decoding's draft source, used with ``speculative_config``)
+- ``fork_table``, ``copy_on_write``, ``free_table``: how block tables share blocks (``SharingFns``;
+  minipaged's scheduler and beam search call them)
 - ``kv_connector(layout, config)`` -> a ``KVConnector`` (another place a block's K/V lives: the host
   tier, another engine; used with ``kv_offloading_size`` or when given)
 
@@ -199,6 +201,26 @@ class ProposerFn(Protocol):
     def __call__(self, token_ids: "Seq[int]", num_tokens: int, min_n: int, max_n: int) -> "list[int]": ...
 
 
+class SharingFns(Protocol):
+    """Three functions over block tables (each an engine part of its own name; minipaged's are
+    ``parts.fork_table``, ``prefix_cache.copy_on_write`` and ``parts.free_table``):
+
+    - ``fork_table(table) -> table``: a new table of the same class over the same allocator that
+      shares every block of ``table`` (each ref count up by one), with its own list and ``num_tokens``;
+    - ``copy_on_write(table, start, end) -> [(src, dst), ...]``: before positions ``start..end-1`` are
+      written, each block they fall in that another table shares (ref count > 1) is replaced by a
+      fresh one; the pairs are copied before the write; all or nothing (OutOfBlocksError);
+    - ``free_table(table) -> None``: a beam that falls out gives every block back at once (one
+      reference each), and the table holds nothing.
+    """
+
+    def fork_table(self, table: BlockTableProtocol) -> BlockTableProtocol: ...
+
+    def copy_on_write(self, table: BlockTableProtocol, start: int, end: int) -> "list[tuple[int, int]]": ...
+
+    def free_table(self, table: BlockTableProtocol) -> None: ...
+
+
 @runtime_checkable
 class KVConnector(Protocol):
     """Where a block's K/V comes from besides the device pool, and where it goes after a step
@@ -258,6 +280,6 @@ OPTIONAL_MEMBERS: dict[type, dict[str, str]] = {
     BlockTableProtocol: {"truncate": "speculative_config"},
 }
 
-__all__ = ["BlockPool", "BlockTableProtocol", "SchedulerProtocol", "PrefixCacheProtocol", "PagedAttentionFn", "ProposerFn",
+__all__ = ["BlockPool", "BlockTableProtocol", "SchedulerProtocol", "PrefixCacheProtocol", "PagedAttentionFn", "ProposerFn", "SharingFns",
            "KVConnector",
            "PROTOCOL_MEMBERS", "OPTIONAL_MEMBERS"]

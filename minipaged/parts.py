@@ -61,11 +61,16 @@ def num_reserved_slots(table: BlockTableProtocol) -> int:
 def fork_table(table: BlockTableProtocol) -> BlockTableProtocol:
     """A second table of the same class sharing every block of ``table`` (ref counts go up)."""
     child = type(table)(table.allocator)
-    for b in table.blocks:
+    child.blocks, child.num_tokens = list(table.blocks), table.num_tokens
+    for b in child.blocks:  # one more holder of each
         table.allocator.incref(b)
-    child.blocks = list(table.blocks)
-    child.num_tokens = table.num_tokens
     return child
+
+
+def free_table(table: BlockTableProtocol) -> None:
+    """Give every block of ``table`` back at once (one reference each: blocks other tables share
+    stay with them); the table then holds nothing."""
+    table.free()
 
 
 def check_table(table: BlockTableProtocol) -> None:
@@ -165,6 +170,6 @@ def require_support(cls: type, method: str, feature: str, setting: str, role: st
 
 __all__ = [
     "cdiv", "num_used_blocks", "ref_counts", "allocate_many", "check_pool", "num_reserved_slots",
-    "fork_table", "check_table", "check_scheduler", "missing_members", "check_part",
+    "fork_table", "free_table", "check_table", "check_scheduler", "missing_members", "check_part",
     "declared_support", "require_support",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 from .config import EngineConfig
 from .data import FinishReason, ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
 from .detokenizer import StopChecker
-from .parts import cdiv, check_scheduler, fork_table  # noqa: F401 (check_scheduler: kept importable from here)
+from .parts import cdiv, check_scheduler, fork_table, free_table  # noqa: F401 (check_scheduler: kept importable from here)
 from .prefix_cache import PrefixStats, cache_computed_blocks, copy_on_write, num_cow_blocks
 from .spec_decode import rollback
 
@@ -45,7 +45,12 @@ class Scheduler:
 
     # Non-default settings this class's schedule() handles (see interfaces.py).
     supports = frozenset({"chunked_prefill_off", "prefix_caching", "parallel_sampling", "speculative_decoding",
-                          "beam_search"})
+                          "beam_search", "sharing_fns"})
+    # How tables share blocks (the engine's parts fork_table, copy_on_write and free_table replace them
+    # on the instance; "sharing_fns" above says this schedule() calls them).
+    fork_table = staticmethod(fork_table)
+    copy_on_write = staticmethod(copy_on_write)
+    free_table = staticmethod(free_table)
 
     def __init__(
         self, allocator: Any, block_table_cls: type | None = None, config: EngineConfig | None = None, **settings: Any
@@ -165,7 +170,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: everyone after it is gone too
             del drafts[max(0, start + n - seq.num_tokens):]  # the drafts the budget left room for
-            out.blocks_to_copy.extend(copy_on_write(table, start, start + n))
+            out.blocks_to_copy.extend(self.copy_on_write(table, start, start + n))
             table.append_tokens(n)
             out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
@@ -281,7 +286,7 @@ class Scheduler:
                 continue  # aborted meanwhile
             if f.seq_id not in sampled:
                 raise KeyError(f"no sampled token for sample {f.seq_id!r} of {seq.seq_id!r}")
-            f.block_table = fork_table(seq.block_table)
+            f.block_table = self.fork_table(seq.block_table)
             f.num_computed_tokens = seq.num_computed_tokens
             f.status = SequenceStatus.RUNNING
             self.running.append(f)

@@ -110,6 +110,7 @@ _SOLUTION_ARGS = {
     "check_hash_chain": ("08_prefix_caching", ["MyPrefixCache"]),
     "check_lookup_and_eviction": ("08_prefix_caching", ["MyPrefixCache"]),
     "check_copy_on_write": ("08_prefix_caching", ["copy_on_write"]),
+    "check_beam_search": ("08_prefix_caching", ["fork_table", "free_table", "copy_on_write"]),
     "check_proposer": ("09_speculative_decoding", ["propose_ngram"]),
     "check_truncate": ("09_speculative_decoding", ["MyBlockTable"]),
     # workbook 10's solution functions, checked on the checks' own cases (the profile's case needs the model)

@@ -37,8 +37,9 @@ WATCH: dict[str, list[tuple[str, str | None]]] = {
            ("minipaged.attention.triton_paged", None), ("minipaged.checks.paged_attention", "variant_attention"),
            # the CPU backend and its C kernels' Python faces: attention too (not watched in 07, whose engine runs them)
            ("minipaged.cpu.attention", None), ("minipaged.cpu.kernels", None)],
-    # 08: minipaged's prefix cache and copy-on-write (its ROOT_HASH constant is given; fork_table is the check's)
+    # 08: minipaged's prefix cache, copy-on-write, fork and beam drop (its ROOT_HASH constant is given)
     "08": [("minipaged.prefix_cache", "PrefixCache"), ("minipaged.prefix_cache", "hash_block"),
+           ("minipaged.parts", "fork_table"), ("minipaged.parts", "free_table"),
            ("minipaged.prefix_cache", "block_hashes"), ("minipaged.prefix_cache", "copy_on_write"),
            ("minipaged.prefix_cache", "blocks_to_write"), ("minipaged.prefix_cache", "num_cow_blocks"),
            ("minipaged.prefix_cache", "cache_computed_blocks")],

@@ -484,11 +484,292 @@ def check_copy_on_write(cow_fn: Callable, seed: int = 0, runs: int = 40, timeout
            "(src, dst) pairs matched the reference.")
 
 
-def check(cache_cls: type, cow_fn: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-    """Everything workbook 08 asks."""
+# -- beam search on the learner's fork, copy-on-write and free --------------------------------------
+# A small Llama with seeded random weights (no download, a few ms a step): its beams fork and fall out at
+# every step. The same model, prompts and settings drive minipaged's engine twice: with its own
+# fork_table / copy_on_write / free_table, and with the learner's (the engine's parts of those names).
+BEAM_RUNS = [  # (beam_width, block_size, max_tokens, ignore_eos, prompts as token ids)
+    (2, 4, 6, True, [[5, 9, 13, 17, 21, 25], [7, 7, 30, 41, 12, 3, 9, 50]]),
+    (3, 4, 5, False, [[11, 22, 33, 44, 55, 6, 17, 28, 39, 40], [60, 3]]),
+    (4, 2, 5, True, [[8, 16, 24, 32, 40], [1, 12, 23]]),
+]
+
+
+def tiny_model() -> Any:
+    """A 2-layer Llama of 64 tokens with seeded random weights (every norm and weight non-trivial), built
+    afresh each call (a few ms; no module state for a grader to see changed)."""
+    import torch
+
+    from ..model.config import LlamaConfig
+    from ..model.llama import LlamaModel
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, rope_theta=5000.0, rms_norm_eps=1e-6, max_position_embeddings=128,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,), name="tiny-random-llama")
+    model = LlamaModel(cfg)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.5 + torch.rand(p.shape, generator=gen) if "norm" in name
+                    else torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
+def _refuse_sharing(fork_fn: Any, free_fn: Any, cow_fn: Any) -> None:
+    from ..parts import fork_table as ref_fork, free_table as ref_free
+
+    for fn, ref, what in ((fork_fn, ref_fork, "fork_table (minipaged.parts)"), (free_fn, ref_free, "free_table (minipaged.parts)"),
+                          (cow_fn, ref_copy_on_write, "copy_on_write (minipaged.prefix_cache)")):
+        if getattr(fn, "__wrapped__", fn) is ref:
+            raise CheckFailed(f"{NAME}: this is minipaged's own {what}. Write yours in the cell above, run it, then "
+                              "run this check again.")
+
+
+class _Plugged:
+    """The learner's three functions as the engine's parts fork_table, copy_on_write and free_table:
+    each call watched (delegation), the first error kept for the check to report after the step."""
+
+    def __init__(self, fork_fn: Callable, free_fn: Callable, cow_fn: Callable) -> None:
+        self.fns = {"fork_table": fork_fn, "free_table": free_fn, "copy_on_write": cow_fn}
+        self.error: CheckFailed | None = None
+        self.calls = {k: 0 for k in self.fns}
+        self.step = 1
+
+    def _call(self, name: str, *args: Any) -> Any:
+        self.calls[name] += 1
+        what = f"{name}(table{''.join(f', {a}' for a in args[1:])})  (step {self.step})"
+        try:
+            return learner_call(self.fns[name], *args, what=what)
+        except CheckFailed as e:  # the engine may turn it into a request error: the check reports it itself
+            self.error = self.error or e
+            raise
+
+    def fork_table(self, table: Any) -> Any:
+        child = self._call("fork_table", table)
+        if child is table or not hasattr(child, "blocks"):
+            self.error = self.error or failure(
+                f"{NAME}: at step {self.step}, fork_table(table) returned {type(child).__name__}"
+                + (" (the parent itself)" if child is table else "") + ", not a new block table.",
+                hint="return a new table of the same class, type(table)(table.allocator), that shares the parent's blocks.")
+            raise self.error
+        return child
+
+    def copy_on_write(self, table: Any, start: int, end: int) -> Any:
+        return self._call("copy_on_write", table, start, end)
+
+    def free_table(self, table: Any) -> None:
+        held = list(table.blocks)
+        self._call("free_table", table)
+        if list(table.blocks) or table.num_tokens:
+            self.error = self.error or failure(
+                f"{NAME}: at step {self.step}, after free_table(table) of a beam that fell out (blocks {held}), the table "
+                f"still lists blocks {list(table.blocks)} and {table.num_tokens} token(s).",
+                hint="after giving its blocks back the table holds nothing: table.blocks = [] and table.num_tokens = 0 "
+                     "(a table that still lists freed blocks would free them again, or read another sequence's K/V).")
+            raise self.error
+
+
+def _beam_snapshot(eng: Any) -> dict:
+    """What the step left: each running sequence's table, every ref count, free blocks, the step's copies and shares."""
+    rec = eng.trace.steps[-1] if eng.trace is not None and eng.trace.steps else None
+    pool = eng.allocator
+    return {
+        "tables": {q.seq_id: (list(q.block_table.blocks), q.block_table.num_tokens) for q in eng.scheduler.running
+                   if q.block_table is not None},
+        "ref_counts": [pool.ref_count(b) for b in range(pool.num_blocks)],
+        "free": pool.num_free_blocks,
+        "copied": [tuple(p) for p in rec.copied] if rec is not None else [],
+        "shared": len(rec.shared_blocks or []) if rec is not None else 0,
+    }
+
+
+def _beam_hint(exp: dict, got: dict, plugged: "_Plugged", forked: bool, dropped: bool) -> str:
+    if len(got["copied"]) > len(exp["copied"]):
+        return ("your copy_on_write copied more blocks than the reference: copy only the blocks the write falls in "
+                "(a beam writes its next token into its LAST block, the partly filled one); the full blocks before it "
+                "are never written again, so they stay shared.")
+    if len(got["copied"]) < len(exp["copied"]):
+        return ("the reference copied a shared block before a beam wrote into it, yours did not: a block whose "
+                "ref_count(b) > 1 is held by another beam too, and writing into it would change that beam's K/V.")
+    exp_sum, got_sum = sum(exp["ref_counts"]), sum(got["ref_counts"])
+    if got_sum < exp_sum and forked:
+        return ("fork_table must raise the ref count of every block it shares (table.allocator.incref(b) for each): "
+                "the child holds them too, and each holder frees once.")
+    if got["free"] < exp["free"] and dropped:
+        return ("a beam that fell out still holds blocks: free_table must give every block back AT ONCE "
+                "(table.allocator.free(b) for each), not later: the next step needs them.")
+    if got_sum > exp_sum:
+        return "a block is held more times than the reference's: fork_table raises each shared block's ref count once."
+    return ("the tables differ from the reference's: fork_table gives the child the parent's blocks, in order, in a "
+            "list of its own, with the parent's num_tokens.")
+
+
+def _invariant_hint(msg: str, eng: Any) -> str:
+    tables = [q.block_table for q in eng.scheduler.running if q.block_table is not None]
+    for i, a in enumerate(tables):
+        for b in tables[i + 1:]:
+            if a.blocks is b.blocks:
+                return ("two beams' tables are the same list object: a copy-on-write in one changed the other. Give "
+                        "the child a list of its own: child.blocks = list(table.blocks).")
+    if "tokens need" in msg:
+        return "the child must have the parent's tokens: child.num_tokens = table.num_tokens."
+    import re
+
+    m = re.search(r"allocator ref count (\d+) but (\d+) running", msg)
+    if m and int(m.group(1)) > int(m.group(2)):
+        return ("a block is counted for a table that no longer holds it: a beam that fell out still holds blocks. "
+                "free_table must give every block back AT ONCE (table.allocator.free(b) for each), not later or never.")
+    if m and int(m.group(1)) < int(m.group(2)):
+        return ("more tables hold the block than its ref count says: fork_table must raise the ref count of every "
+                "block it shares (table.allocator.incref(b) for each).")
+    if "allocator ref count" in msg:
+        return ("every holder of a block counts once: fork_table raises each shared block's ref count "
+                "(table.allocator.incref(b)); free_table lowers it once per block, at once.")
+    return "fork_table shares every block of the parent (ref counts raised); free_table gives each back once."
+
+
+def check_beam_search(fork_fn: Callable, free_fn: Callable, cow_fn: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """``LLM.beam_search`` with your fork_table, free_table and copy_on_write as the engine's parts, side by
+    side with minipaged's own: after every step the block tables, ref counts, free blocks and the trace's
+    shared and copied blocks are the reference's and the invariants hold; the beams (tokens and cumulative
+    log-probabilities) are the reference's, and every block is free at the end."""
+    for fn, name in ((fork_fn, "fork_table"), (free_fn, "free_table"), (cow_fn, "copy_on_write")):
+        if is_stub(fn):
+            raise not_implemented(getattr(fn, "__name__", name))
+    _refuse_sharing(fork_fn, free_fn, cow_fn)
+    state = {"current": "building the engines", "steps": 0, "copied": 0, "forks": 0, "drops": 0, "beams": 0}
+
+    def run(llm: Any, prompts: list, params: Any, on_step: Callable[[Any], None]) -> list:
+        eng = llm.engine
+        inner = eng.step
+
+        def step():
+            outs = inner()
+            on_step(outs)
+            return outs
+
+        eng.step = step  # LLM.beam_search steps its engine through this
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+
+    def _body():
+        from ..beam_search import BeamSearchParams
+        from ..llm import LLM
+        from ..parts import check_scheduler
+
+        model = tiny_model()
+        for width, bs, max_tokens, ignore_eos, prompts in BEAM_RUNS:
+            params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=ignore_eos)
+            args = dict(block_size=bs, num_blocks=64, max_num_seqs=8, enable_prefix_caching=False, max_model_len=128,
+                        attention="torch", record_trace=True)
+            settings = (f"LLM(<a 2-layer Llama, random weights>, block_size={bs}, num_blocks=64, max_num_seqs=8)."
+                        f"beam_search({prompts}, BeamSearchParams(beam_width={width}, max_tokens={max_tokens}, "
+                        f"ignore_eos={ignore_eos}))")
+            ref_steps: list = []
+            state["current"] = f"the reference engine: {settings}"
+            ref_llm = LLM(model, None, **args)
+            ref_out = run(ref_llm, prompts, params, lambda outs: ref_steps.append(_beam_snapshot(ref_llm.engine)))
+            plugged = _Plugged(fork_fn, free_fn, cow_fn)
+            mine = LLM(model, None, fork_table=plugged.fork_table, copy_on_write=plugged.copy_on_write,
+                       free_table=plugged.free_table, **args)
+            k = {"i": 0}
+            prev_running: dict = {}
+
+            def on_step(outs):
+                i = k["i"]
+                if plugged.error is not None:
+                    raise plugged.error
+                eng = mine.engine
+                errors = [o for o in outs if getattr(o, "finish_reason", None) == "error"]
+                if errors:
+                    raise failure(f"{NAME}: at step {i + 1} the engine ended a beam search with an error raised in your code.",
+                                  done=settings, got=str(errors[0].error),
+                                  hint="read the error: your function raised inside the engine.")
+                got = _beam_snapshot(eng)
+                running = {q.seq_id for q in eng.scheduler.running}
+                forked = bool(running - set(prev_running))
+                dropped = bool(set(prev_running) - running)
+                prev_running.clear()
+                prev_running.update(dict.fromkeys(running))
+                try:
+                    check_scheduler(eng.scheduler, eng.config.max_num_seqs)
+                    bad_inv = None
+                except AssertionError as e:
+                    bad_inv = str(e)
+                exp = ref_steps[i] if i < len(ref_steps) else None
+                if bad_inv is not None or exp != got:
+                    def text(snap):
+                        if snap is None:
+                            return "      (the reference had finished)"
+                        rows = [f"      {sid}: blocks {b}, {n} token(s)" for sid, (b, n) in snap["tables"].items()]
+                        rows.append(f"      ref counts {fmt_list(snap['ref_counts'], limit=64)}; {snap['free']} free; this step "
+                                    f"copied {snap['copied']} (copy-on-write); {snap['shared']} block(s) shared")
+                        return "\n".join(rows)
+                    if bad_inv is not None:
+                        title = f"after step {i + 1}, the block invariants break: {bad_inv}."
+                        hint = _invariant_hint(bad_inv, eng)
+                    else:
+                        title = f"after step {i + 1}, the engine with your functions differs from the reference engine."
+                        hint = _beam_hint(exp, got, plugged, forked, dropped) if exp is not None else \
+                            "the reference had finished: your beams went on."
+                    raise failure(f"{NAME}: {title}", done=settings,
+                                  expected="the reference, after step " + f"{i + 1}:\n" + text(exp),
+                                  got=f"yours, after step {i + 1}:\n" + text(got), hint=hint)
+                state["steps"] += 1
+                state["copied"] += len(got["copied"])
+                k["i"] += 1
+                plugged.step = k["i"] + 1
+
+            state["current"] = f"your fork_table, free_table and copy_on_write in the engine: {settings}"
+            got_out = run(mine, prompts, params, on_step)
+            if plugged.error is not None:
+                raise plugged.error
+            if k["i"] != len(ref_steps):
+                raise failure(f"{NAME}: your engine ran {k['i']} steps, the reference {len(ref_steps)}.", done=settings,
+                              hint="the beams must be the reference's: check fork_table and copy_on_write.")
+            for p, r, g in zip(prompts, ref_out, got_out):
+                exp_b = [(b.tokens, round(b.cum_logprob, 4)) for b in r.sequences]
+                got_b = [(b.tokens, round(b.cum_logprob, 4)) for b in g.sequences]
+                if [t for t, _ in exp_b] != [t for t, _ in got_b] or any(abs(a.cum_logprob - b.cum_logprob) > 1e-4
+                                                                        for a, b in zip(r.sequences, g.sequences)):
+                    raise failure(f"{NAME}: the beams of prompt {p} differ from the reference's.", done=settings,
+                                  expected=repr(exp_b), got=repr(got_b),
+                                  hint="a beam read K/V another beam wrote: copy a shared block before writing into it.")
+            pool = mine.engine.allocator
+            if pool.num_free_blocks != pool.num_blocks:
+                held = [b for b in range(pool.num_blocks) if pool.ref_count(b)]
+                raise failure(f"{NAME}: the beam searches ended, but blocks {held} are still held (leaked).", done=settings,
+                              expected=f"all {pool.num_blocks} blocks free", got=f"{pool.num_free_blocks} free",
+                              hint="free_table gives back every block of a beam that falls out, once each.")
+            state["beams"] += sum(len(g.sequences) for g in got_out)
+            state["forks"] += plugged.calls["fork_table"]
+            state["drops"] += plugged.calls["free_table"]
+        if not (state["forks"] and state["drops"] and state["copied"]):
+            raise CheckFailed(f"{NAME}: the check's beam searches forked {state['forks']}, dropped {state['drops']} and "
+                              f"copied {state['copied']} block(s): it could not test your functions. This is a bug of "
+                              "minipaged's check, not of your code: please report it.")
+
+    run_guarded("08", NAME, _body, timeout, state)
+    passed(f"beam search on your fork_table, free_table and copy_on_write: {len(BEAM_RUNS)} runs of LLM.beam_search "
+           f"(widths {', '.join(str(r[0]) for r in BEAM_RUNS)}, 2 prompts each), {state['steps']} steps, "
+           f"{state['forks']} forks, {state['drops']} beams dropped, {state['copied']} blocks copied on write; after every "
+           "step the tables, ref counts, free blocks and the trace's shared and copied blocks matched the reference and "
+           f"the invariants held; the {state['beams']} beams (tokens and cumulative log-probabilities) are the "
+           "reference's, and no block leaked.")
+
+
+def check(cache_cls: type, cow_fn: Callable, fork_fn: Callable | None = None, free_fn: Callable | None = None,
+          timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Everything workbook 08 asks (the beam search part when fork_fn and free_fn are given)."""
     check_hash_chain(cache_cls, timeout=timeout)
     check_lookup_and_eviction(cache_cls, timeout=timeout)
     check_copy_on_write(cow_fn, timeout=timeout)
+    if fork_fn is not None and free_fn is not None:
+        check_beam_search(fork_fn, free_fn, cow_fn, timeout=timeout)
 
 
-__all__ = ["check", "check_hash_chain", "check_lookup_and_eviction", "check_copy_on_write"]
+__all__ = ["check", "check_hash_chain", "check_lookup_and_eviction", "check_copy_on_write", "check_beam_search",
+           "tiny_model", "BEAM_RUNS"]

@@ -103,3 +103,19 @@ def good_copy_on_write(table, start, end, shared=shared_blocks):
         pool.free(src)
         pairs.append((src, dst))
     return pairs
+
+
+def good_fork_table(table):
+    child = type(table)(table.allocator)
+    for b in table.blocks:
+        table.allocator.incref(b)
+    child.blocks = list(table.blocks)
+    child.num_tokens = table.num_tokens
+    return child
+
+
+def good_free_table(table):
+    for b in table.blocks:
+        table.allocator.free(b)
+    table.blocks = []
+    table.num_tokens = 0
