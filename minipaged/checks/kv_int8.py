@@ -256,12 +256,13 @@ def _attention_cases() -> list[Case]:
 def check_gather_kv_int8(gather_kv_int8: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """``gather_kv_int8(cache, scales, block_table, context_len)`` -> (context_len, H, D) float32, dequantized."""
     refuse_package_function(gather_kv_int8, NAME, "gather_kv_int8")
-    cases = [(5, True), (11, False), (8, False), (1, False), (23, False)]
+    # (context_len, blocks in order, block_size, num_kv_heads): the last has more KV heads than slots in a block
+    cases = [(5, True, 4, 2), (11, False, 4, 2), (8, False, 4, 2), (1, False, 4, 2), (23, False, 4, 2), (7, False, 2, 4)]
     state = {"current": "gather_kv_int8(...)"}
 
     def _body():
-        for i, (ctx, in_order) in enumerate(cases):
-            case = make_case("gather", "", [(ctx, 1)], num_heads=2, num_kv_heads=2, head_dim=4, block_size=4,
+        for i, (ctx, in_order, bs, hkv) in enumerate(cases):
+            case = make_case("gather", "", [(ctx, 1)], num_heads=hkv, num_kv_heads=hkv, head_dim=4, block_size=bs,
                              seed=60 + i, in_order=in_order)
             case.k_cache = case.k_cache * torch.logspace(-1, 1, case.k_cache.shape[0])[:, None, None, None]
             qc, (kq, ks, _, _) = quantized_case(case)
@@ -270,7 +271,7 @@ def check_gather_kv_int8(gather_kv_int8: Callable, timeout: float = DEFAULT_TIME
             state["current"] = what
             exp = ref_gather_kv(qc.k_cache, row, ctx)
             got = learner_call(gather_kv_int8, kq.clone(), ks.clone(), row.clone(), ctx, what=what)
-            desc = f"int8 pages of shape {tuple(kq.shape)}, scales {tuple(ks.shape)}, block size 4"
+            desc = f"int8 pages of shape {tuple(kq.shape)}, scales {tuple(ks.shape)}, block size {bs}"
             if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(exp.shape) or got.dtype != torch.float32:
                 raise failure(f"{NAME}: {what} returned the wrong kind of tensor.", done=desc,
                               expected=f"float32 of shape {tuple(exp.shape)} = (context_len, num_kv_heads, head_dim)",
@@ -286,16 +287,16 @@ def check_gather_kv_int8(gather_kv_int8: Callable, timeout: float = DEFAULT_TIME
                             "(scales[block_table[:n]]) and dequantize what you gathered.")
                 else:
                     tok = int((~torch.isclose(got, exp, rtol=1e-6, atol=0)).flatten(1).any(1).nonzero()[0])
-                    b = int(row[tok // 4])
-                    hint = (f"token {tok} is slot {tok % 4} of physical block {b} (block_table[{tok // 4}]): its values "
+                    b = int(row[tok // bs])
+                    hint = (f"token {tok} is slot {tok % bs} of physical block {b} (block_table[{tok // bs}]): its values "
                             f"times scales[{b}] (that block's scales, not the logical block's).")
                 raise failure(f"{NAME}: {what} differs from minipaged's read of the same pages.", done=desc,
                               expected=fmt_list(f"{v:.4f}" for v in exp[0, 0].tolist()),
                               got=fmt_list(f"{v:.4f}" for v in got[0, 0].tolist()), hint=hint)
 
     run_guarded("04", NAME, _body, timeout, state)
-    passed(f"int8 gather: {len(cases)} block tables (in order, shuffled, a boundary, one token) matched minipaged's "
-           "dequantizing read.")
+    passed(f"int8 gather: {len(cases)} block tables (in order, shuffled, a boundary, one token, more KV heads than slots "
+           "in a block) matched minipaged's dequantizing read.")
 
 
 def variant_ignores_scales(case: Case, kq: torch.Tensor, vq: torch.Tensor) -> torch.Tensor:
