@@ -20,6 +20,7 @@ KV = "minipaged.checks.kv_cache_math"
 BA = "minipaged.checks.block_allocator"
 BT = "minipaged.checks.block_table"
 PA = "minipaged.checks.paged_attention"
+KI = "minipaged.checks.kv_int8"
 TD = "minipaged.checks.triton_decode"
 SC = "minipaged.checks.scheduler"
 AS = "minipaged.checks.assemble"
@@ -89,6 +90,23 @@ RULES = [
          "gather_block_size_from_heads", "numerical"),
     Rule("04_paged_attention_torch", "minipaged's CPU kernels (`minipaged.cpu`) count as minipaged's attention too",
          f"{PA}:check_paged_attention", "calls_cpu_kernels", "delegation"),
+    # 04, part 2: int8 KV pages, one scale per (block, KV head)
+    Rule("04_paged_attention_torch", "is `max |x[b, :, h, :]| / 127`", f"{KI}:check_quantize", "int8_one_scale_per_layer"),
+    Rule("04_paged_attention_torch", "to the **nearest** integer (`torch.round`), not truncation", f"{KI}:check_quantize",
+         "int8_truncates", "numerical"),
+    Rule("04_paged_attention_torch", "**Clipping to the format's range**", f"{KI}:check_quantize", "int8_no_clip", "numerical"),
+    Rule("04_paged_attention_torch", "never divide by it: 0 / 0 is NaN", f"{KI}:check_quantize", "int8_zero_scale_nan",
+         "numerical"),
+    Rule("04_paged_attention_torch", "A scale left stale after copy-on-write", f"{KI}:check_copy_block",
+         "int8_stale_scale_after_cow", "sharing"),
+    Rule("04_paged_attention_torch", "each block's values times its scales", f"{KI}:check_gather_kv_int8",
+         "int8_gather_logical_scales"),
+    Rule("04_paged_attention_torch", "an attention that ignores the scales", f"{KI}:check_paged_attention_int8",
+         "int8_attention_ignores_scales"),
+    Rule("04_paged_attention_torch", "The checks refuse minipaged's int8 page code in your place", f"{KI}:check_quantize",
+         "int8_kv_quant_alias", "delegation"),
+    Rule("04_paged_attention_torch", "passed under another name, or called from inside yours.", f"{KI}:check_quantize",
+         "int8_calls_kv_quant", "delegation"),
     # 05: the Triton decode kernel
     Rule("05_triton_decode_kernel", "`block = block_tables[seq, i]`", f"{TD}:check_decode", "logical_block_order"),
     Rule("05_triton_decode_kernel", "(**mask** the rest: they are garbage)", f"{TD}:check_decode", "tail_unmasked", "numerical"),

@@ -36,7 +36,11 @@ WATCH: dict[str, list[tuple[str, str | None]]] = {
     "04": [("minipaged.attention.reference", None), ("minipaged.attention.torch_sdpa", None),
            ("minipaged.attention.triton_paged", None), ("minipaged.checks.paged_attention", "variant_attention"),
            # the CPU backend and its C kernels' Python faces: attention too (not watched in 07, whose engine runs them)
-           ("minipaged.cpu.attention", None), ("minipaged.cpu.kernels", None)],
+           ("minipaged.cpu.attention", None), ("minipaged.cpu.kernels", None),
+           # its int8 part: minipaged's int8 page code (quantize, dequantize, the block's scales, copy_blocks) and the
+           # checks' own int8 pages and variants
+           ("minipaged.kv_quant", None), ("minipaged.checks.kv_int8", "ref_pages"),
+           ("minipaged.checks.kv_int8", "variant_quantize"), ("minipaged.checks.kv_int8", "variant_ignores_scales")],
     # 08: minipaged's prefix cache, copy-on-write, fork and beam drop (its ROOT_HASH constant is given)
     "08": [("minipaged.prefix_cache", "PrefixCache"), ("minipaged.prefix_cache", "hash_block"),
            ("minipaged.parts", "fork_table"), ("minipaged.parts", "free_table"),
@@ -46,9 +50,11 @@ WATCH: dict[str, list[tuple[str, str | None]]] = {
     "06": [("minipaged.scheduler", "Scheduler.add_request"), ("minipaged.scheduler", "Scheduler.schedule"),
            ("minipaged.scheduler", "Scheduler._preempt"), ("minipaged.scheduler", "Scheduler._why_never_fits")],
 }
-WATCH["05"] = WATCH["04"] + [("minipaged.checks.triton_decode", "_no_rescale")]
-# Workbook 07 serves with every part at once: nothing of the package's parts may run.
-WATCH["07"] = WATCH["02"] + WATCH["03"] + [w for w in WATCH["04"] if not w[0].startswith("minipaged.cpu.")] + WATCH["06"]
+_ATTENTION = [w for w in WATCH["04"] if not w[0].startswith(("minipaged.kv_quant", "minipaged.checks.kv_int8"))]
+WATCH["05"] = _ATTENTION + [("minipaged.checks.triton_decode", "_no_rescale")]
+# Workbook 07 serves with every part at once: nothing of the package's parts may run (its engine's KV write
+# reads kv_quant's formats, so 04's int8 part is not watched there).
+WATCH["07"] = WATCH["02"] + WATCH["03"] + [w for w in _ATTENTION if not w[0].startswith("minipaged.cpu.")] + WATCH["06"]
 
 # What each workbook hands the learner: the only package code the learner's code may call while a check
 # calls it (same form as WATCH: (module, attribute or None for the whole module); "Class.method" names one
@@ -62,7 +68,8 @@ ALLOW: dict[str, list[tuple[str, str | None]]] = {
     # 03: the pool the check hands over (minipaged's allocator, recorded) and parts.allocate_many
     "03": [("minipaged.block_allocator", None), ("minipaged.parts", "allocate_many"),
            ("minipaged.checks.block_table", "_RecordingPool")],
-    "04": [],
+    # 04: the check's NaN watch (its int8 quantize check runs the learner's code under a torch function mode)
+    "04": [("minipaged.checks.kv_int8", "_NaNWatch.__torch_function__")],
     "05": [("minipaged.checks.triton_decode", "setup_triton")],
     # 06: the blocks (minipaged's allocator and table), the sequences and the config the scheduler is given
     "06": [("minipaged.scheduler", "ScheduledSeq"), ("minipaged.scheduler", "SchedulerOutput"),

@@ -336,13 +336,13 @@ def _signed_case(name: str, focus: str, seqs: list, sign: float, seed: int, size
     return case
 
 
-def compare_case(case: Case, got, name: str, fn_name: str, atol: float, rtol: float) -> None:
+def compare_case(case: Case, got, name: str, fn_name: str, atol: float, rtol: float, replay: str | None = None) -> None:
     case = case.cpu()  # the oracle and the pictures run on the CPU, whatever device the learner's code used
     if isinstance(got, torch.Tensor):
         got = got.detach().cpu()
     exp = ref_paged_attention(*case.args())
     call = f"{fn_name}(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)"
-    replay = (f"To replay: from minipaged.checks import paged_attention as pa\n"
+    replay = replay or (f"To replay: from minipaged.checks import paged_attention as pa\n"
               f"    case = pa.case_named({case.name!r}{', decode_only=True' if name.startswith('05') else ''})\n"
               f"    out = {fn_name}(*case.args())")
     if got is None:
