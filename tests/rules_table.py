@@ -27,6 +27,7 @@ AS = "minipaged.checks.assemble"
 PC = "minipaged.checks.prefix_cache"
 SD = "minipaged.checks.spec_decode"
 PM = "minipaged.checks.predict"
+SO = "minipaged.checks.structured"
 
 RULES = [
     # 01: KV-cache arithmetic
@@ -258,6 +259,27 @@ RULES = [
     Rule("10_predict_and_measure", "the interval from its own runs' seconds", f"{PM}:check_ledger", "interval_not_from_samples"),
     Rule("10_predict_and_measure", "two optimisations, each timed against a matched control", f"{PM}:check_ledger",
          "one_optimisation"),
+    # 11: structured outputs (the token mask of a choice list, against xgrammar's)
+    Rule("11_structured_outputs", "A prefix that is no choice's beginning allows", f"{SO}:check_choice_mask",
+         "off_trie_restarts_at_root"),
+    Rule("11_structured_outputs", "**A token is allowed when all of its bytes walk on**", f"{SO}:check_choice_mask",
+         "first_byte_only"),
+    Rule("11_structured_outputs", "A token may end inside a choice", f"{SO}:check_choice_mask", "whole_choices_only"),
+    Rule("11_structured_outputs", "**Not past the end of a choice.**", f"{SO}:check_choice_mask", "runs_past_choice_end",
+         "numerical"),
+    Rule("11_structured_outputs", "one may begin another", f"{SO}:check_choice_mask", "stops_at_first_choice_end"),
+    Rule("11_structured_outputs", "**Bytes, not characters.**", f"{SO}:check_choice_mask", "decodes_tokens_to_text"),
+    Rule("11_structured_outputs", "spell no text: never allowed", f"{SO}:check_choice_mask", "special_tokens_allowed"),
+    Rule("11_structured_outputs", "are allowed exactly when the prefix is a whole", f"{SO}:check_choice_mask",
+         "no_stop_at_whole_choice", "numerical"),
+    Rule("11_structured_outputs", "choice, and only then", f"{SO}:check_choice_mask", "stop_tokens_everywhere"),
+    Rule("11_structured_outputs", "**The stop tokens** it is given", f"{SO}:check_choice_mask", "fixed_eos"),
+    Rule("11_structured_outputs", "returns a `torch.bool` tensor of shape", f"{SO}:check_choice_mask", "returns_a_list"),
+    Rule("11_structured_outputs", "The check refuses minipaged's own trie walk", f"{SO}:check_choice_mask",
+         "minipaged_own_choice_mask", "delegation"),
+    Rule("11_structured_outputs", "called from inside yours", f"{SO}:check_choice_mask", "calls_reference_choice_mask",
+         "delegation"),
+    Rule("11_structured_outputs", "and xgrammar's matcher", f"{SO}:check_choice_mask", "uses_xgrammar_matcher", "delegation"),
 ]
 # Wrong answers that test the checks' own machinery (time limit, a renamed class), not a stated rule.
 NOT_A_RULE = {"02_block_allocator/endless_loop", "07_assemble/renamed_class"}
@@ -276,7 +298,7 @@ WATCH_PLANTS_NOT_APPLICABLE = {
 NOT_A_RULE |= {f"{wb}/{plant}" for wb in ("01_kv_cache_math", "02_block_allocator", "03_block_table",
                                           "04_paged_attention_torch", "05_triton_decode_kernel", "06_scheduler",
                                           "07_assemble", "08_prefix_caching", "09_speculative_decoding",
-                                          "10_predict_and_measure")
+                                          "10_predict_and_measure", "11_structured_outputs")
                for plant in WATCH_PLANTS}
 
 

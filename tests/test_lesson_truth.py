@@ -21,6 +21,10 @@ LESSONS = sorted((ROOT / "notebooks").glob("0[1-9]_*.ipynb"))
 # A lesson that names a path outside this list must have it checked and added here.
 VLLM_PATHS_CHECKED = {
     "vllm/distributed/kv_transfer/kv_connector/v1/base.py", "vllm/v1/kv_offload/",  # lesson 14 (checked 2026-12)
+    # lesson 13 (checked 2026-12 against vllm-project/vllm's tree: StructuredOutputManager.grammar_bitmask,
+    # XgrammarGrammar.validate_tokens/rollback/fill_bitmask, utils.apply_grammar_bitmask, ChatCompletionRequest)
+    "vllm/v1/structured_output/__init__.py", "vllm/v1/structured_output/backend_xgrammar.py",
+    "vllm/v1/structured_output/utils.py", "vllm/entrypoints/openai/chat_completion/protocol.py",
     # lessons 00 and 10-12 (checked against vllm-project/vllm's tree)
     "vllm/v1/worker/gpu_worker.py", "vllm/distributed/communication_op.py",
     "vllm/distributed/device_communicators/custom_all_reduce.py", "vllm/model_executor/layers/vocab_parallel_embedding.py",

@@ -32,10 +32,11 @@ LESSONS = [
     "10_where_paging_pays",  # helper-1's lesson
     "11_beyond_one_device",
     "12_speculative_decoding",
+    "13_structured_outputs",
     "14_where_kv_lives",
 ]
 # The workbook each lesson points to at its end (00 has none; 05's is the Triton kernel workbook; lessons 09-11
-# have none, and lesson 12's is workbook 09).
+# and 14 have none, lesson 12's is workbook 09 and lesson 13's workbook 11).
 WORKBOOK = {
     "01_kv_cache": "01_kv_cache_math",
     "02_block_allocator": "02_block_allocator",
@@ -46,6 +47,7 @@ WORKBOOK = {
     "07_whole_engine": "07_assemble",
     "08_prefix_caching_and_sharing": "08_prefix_caching",
     "12_speculative_decoding": "09_speculative_decoding",
+    "13_structured_outputs": "11_structured_outputs",
 }
 MAX_CELL_LINES = 30
 
@@ -201,6 +203,9 @@ ASSERTED = {
     "12_speculative_decoding": ["verify_cost < 0.75 * (K + 1)", 'tv["accept_point_mass"] < 0.02', "given_back == [written[-1]]",
                                 'runs[w, True]["tokens"] == runs[w, False]["tokens"]',
                                 'rep["acceptance_rate"] > new.get("acceptance_rate"', "speedup(1, 0.9) > 1.5"],
+    "13_structured_outputs": ["torch.equal(mine, theirs)", 'allowed_after("Negative").nonzero().flatten().tolist() == EOS',
+                              'assert ok[t]', 'set(data) == {"city", "population_millions"}', 'one["mask_ms_per_step"] < 0.25 * one["free_ms_per_step"]',
+                              'tok.decode(seq.spec_token_ids) == "34"', "a.token_ids == b.token_ids"],
     "14_where_kv_lives": ['["host_hit_tokens"] > 0', '["prefix_hit_tokens"] == 0', '"start_load_kv" in Logged.log[2]',
                           '["throughput"] <= row["colocated"]["throughput"] * 1.05'],
 }

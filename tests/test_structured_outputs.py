@@ -384,3 +384,19 @@ def test_the_shipped_set_parses_every_output_that_finishes_with_stop(llm):
     rate = parse_rate(llm)
     assert rate["finished_with_stop"] >= rate["requests"] // 2, rate["rows"]
     assert rate["parse_rate"] == 1.0, [r for r in rate["rows"] if r["valid"] is False]
+
+
+def test_a_complete_grammar_that_min_tokens_holds_back_ends_that_request_alone(tiny_model):
+    """The grammar is complete and allows only EOS, which min_tokens holds back: no token can continue, so that
+    request ends with an error naming why, and the request beside it finishes as it would alone."""
+    model, tok = tiny_model
+    llm = LLM(model, tok)
+    held = SamplingParams(temperature=0, max_tokens=8, min_tokens=5,
+                          structured_outputs=StructuredOutputsParams(choice=["cat"]))
+    fine = _greedy(StructuredOutputsParams(choice=["cat", "dog"]), max_tokens=8)
+    alone = llm.generate(["the cat"], [fine])[0].outputs[0]
+    with pytest.warns(UserWarning, match="structured outputs"):
+        outs = llm.generate(["hello", "the cat"], [held, fine])
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert "min_tokens=5" in outs[0].error and "no token can continue" in outs[0].error
+    assert outs[1].outputs[0].finish_reason == "stop" and outs[1].outputs[0].token_ids == alone.token_ids

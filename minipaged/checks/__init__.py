@@ -9,6 +9,9 @@
     07 assemble          load_parts, check_engine
     08 prefix_cache      check_hash_chain, check_lookup_and_eviction, check_copy_on_write
     09 spec_decode       check_proposer, check_truncate, check_serving
+    10 predict           check_kv_capacity, check_knee, check_goodput, check_gain, check_tensor_parallel,
+                         check_break_even, check_ledger
+    11 structured        check_choice_mask (against xgrammar's mask on the same vocabulary)
 
 Every check drives your code and the reference side by side on the same seeded operations,
 compares the state after each one, and stops at the first difference with what was done,

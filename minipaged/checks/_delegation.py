@@ -477,8 +477,9 @@ class Guard:
                 if module is not None and code.co_name != "<module>":  # importing a module is not calling it
                     label = self._names[code] = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
         kind = "watched"
-        if label is not None and not in_package(code):
+        if label is not None and not in_package(code) and label.startswith("minipaged"):
             kind = "copy"  # code objects compare equal whatever their file: minipaged's own, compiled again
+            # (a library watched by its files, workbook 11's xgrammar, runs that library's own code)
         if label is None:
             verdict = self._verdict_of(code)
             if not verdict:
@@ -604,6 +605,14 @@ class Guard:
                     + f", minipaged's own code that this workbook does not hand you. While a check calls your code, it may "
                       f"call only what the workbook gives you ({given}); the reference parts, the checks and their helpers "
                       "are refused. Write that part yourself, run its cell, then run this check again.")
+            if self.hit is not None and not self.hit.startswith("minipaged"):
+                hit, where = self.hit, self.hit_in
+                self.hit = None
+                raise CheckFailed(  # a library the check compares against (workbook 11: xgrammar's matcher)
+                    f"{self.workbook_name}: {what} called {hit}" + (f" (from {where})" if where else "")
+                    + f", the library the check compares your code against ({hit.split('.')[0]}). The check refuses its "
+                      "implementation in your place, as it refuses minipaged's own: write that part yourself, run its "
+                      "cell, then run this check again.")
             if self.hit is not None:
                 hit, where = self.hit, self.hit_in
                 self.hit = None

@@ -1,0 +1,22 @@
+"""The solved choice_mask, with a thread of the learner's started before the check and still running (a worker that
+could run minipaged's reference out of the watch's sight): refused, saying why."""
+CHECK = "minipaged.checks.structured:check_choice_mask"
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _base  # noqa: E402
+import _plant  # noqa: E402
+
+EXPECT = _plant.THREAD_EXPECT
+_WORKER = _plant.PreStarted()
+
+
+def answer():
+    _WORKER.start()
+    return (_base.mask,)
+
+
+def teardown():
+    _WORKER.stop()
