@@ -258,6 +258,9 @@ def test_lesson_09_prices_steps_by_the_machine_profile_and_charges_overheads_per
     assert "machine.cost_model(prof)" in code and "machine.profile(llm" in code
     assert "step_cost(" not in code and "lstsq" not in code and "polyfit" not in code
     assert "arrival_overhead=h_in" in code and "response_overhead=h_out" in code
+    # streaming each token is charged every step, per step and per sequence, measured on the probes (lone, burst)
+    assert 'lone["itl_ms"]["p50"]' in code and 'burst["itl_ms"]["p50"]' in code
+    assert "engine_cost(scheduled) + per_step + per_seq * len(scheduled)" in code
     assert 'mean_of("vllm:time_to_first_token_seconds")' in code and 'mean_of("vllm:request_prefill_time_seconds")' in code
     assert code.count("machine.check_prediction(") >= 2 and ", 0.30, " in code
     outs = "\n".join(stream(c) for c in cells(lesson("09")) if c["cell_type"] == "code")
