@@ -63,11 +63,9 @@ PLANTS = [
             r'LinearProfile\(lp\["rows"\], lower_envelope\(lp\["body_s"\]\)',
             r'LinearProfile(lp["rows"], [3 * t for t in lower_envelope(lp["body_s"])]', "beyond tolerance")
       for lesson in ("07_whole_engine", "12_speculative_decoding")],
-    # The step-cost model drops its overheads (the per-step, per-sequence and per-token costs fitted on real
-    # steps): what is left is the route's operators alone, and lesson 12's step predictions fall short.
-    Plant("cost model: overheads dropped (12)", "12_speculative_decoding", "bench/gpu/cost.py",
-          r"overhead = c\.step_overhead_s \+ c\.seq_overhead_s \* seqs \+ c\.token_overhead_s \* tokens",
-          "overhead = 0.0", "beyond tolerance"),
+    # (A cost model that drops its overheads is planted in tests/test_machine.py against a real engine's step:
+    # in a lesson, the plain route's overheads are a third of a batch-1 step or less, within a step's noise of
+    # the 25% tolerance, and the fit absorbs a dropped operator term, so such a lesson plant passes by chance.)
 ]
 
 
