@@ -27,6 +27,11 @@ QMAX = int(INT8.qmax)  # 127
 
 
 # -- minipaged's own int8 pages, the reference ------------------------------------------------------------
+
+def _kind(t: object) -> str:
+    """What a learner's function returned, in a failure's words: a tensor's dtype and shape, else its type."""
+    return f"{t.dtype}, shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
 def ref_pages(x: torch.Tensor) -> torch.Tensor:
     """Blocks ``x`` (n, block_size, H, D) written whole into minipaged's int8 pages: the pages, with their
     (n, H) scales as ``.kv_scales`` (minipaged.kv_quant.write, as the engine writes a block)."""
@@ -170,8 +175,7 @@ def check_quantize(block_scales: Callable, quantize: Callable, dequantize: Calla
                     or not torch.allclose(got_x, exp_x, rtol=1e-6, atol=0):
                 raise failure(f"{NAME}: {what} differs from minipaged's read of the same pages.", done=desc,
                               expected=f"float32 of shape {tuple(x.shape)}: q * scales[b, h]",
-                              got=(f"{got_x.dtype}, shape {tuple(got_x.shape)}" if isinstance(got_x, torch.Tensor)
-                                   else type(got_x).__name__),
+                              got=_kind(got_x),
                               hint="a stored value q of block b, KV head h means q * scales[b, h]: "
                                    "q.float() * scales[:, None, :, None].")
 
@@ -275,8 +279,7 @@ def check_gather_kv_int8(gather_kv_int8: Callable, timeout: float = DEFAULT_TIME
             if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(exp.shape) or got.dtype != torch.float32:
                 raise failure(f"{NAME}: {what} returned the wrong kind of tensor.", done=desc,
                               expected=f"float32 of shape {tuple(exp.shape)} = (context_len, num_kv_heads, head_dim)",
-                              got=(f"{got.dtype}, shape {tuple(got.shape)}" if isinstance(got, torch.Tensor)
-                                   else type(got).__name__),
+                              got=_kind(got),
                               hint="gather the sequence's blocks through the table, dequantize them (float32), keep "
                                    "the first context_len tokens.")
             if not torch.allclose(got, exp, rtol=1e-6, atol=0):
