@@ -391,7 +391,7 @@ def test_lesson_11_sets_its_all_reduce_bytes_beside_the_tensor_parallel_runs_cou
 # -- predict, then measure (issue 33): one model of this machine, one format --------------------------
 # Every lesson that times something sets a prediction beside the measurement in the one format that
 # minipaged.machine.check_prediction prints; the stored run's lines are read back here.
-PREDICTING = ("01", "06", "07", "09", "10", "11", "12", "14")
+PREDICTING = ("01", "06", "07", "09", "10", "11", "12", "14")   # and 05 on a GPU (its timing cell runs only there)
 LINE = re.compile(r"^prediction (?P<name>.+?): predicted (?P<p>[-\d.,]+) ?(?P<unit>\S*), measured (?P<m>[-\d.,]+) ?\S*"
                   r" \((?P<off>[\d.]+)% off, tolerance (?P<tol>[\d.]+)%\)$", re.M)
 
@@ -401,6 +401,11 @@ ALL_LESSONS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 def any_lesson(prefix: str) -> Path:
     return next(p for p in ALL_LESSONS if p.name.startswith(prefix))
+
+
+def test_lesson_05_sets_its_kernel_time_beside_the_prediction_on_a_gpu():
+    code = text_of(any_lesson("05"), "code")
+    assert 'machine.check_prediction("paged decode kernel' in code and "read_s = t_copy / 2" in code
 
 
 def outputs_of(path: Path) -> str:
