@@ -127,7 +127,7 @@ def test_wrong_answer_is_rejected(path: Path, tmp_path: Path, request) -> None:
 def test_every_workbook_has_three_wrong_answers() -> None:
     stems = ["01_kv_cache_math", "02_block_allocator", "03_block_table", "04_paged_attention_torch",
              "05_triton_decode_kernel", "06_scheduler", "07_assemble", "08_prefix_caching", "09_speculative_decoding",
-             "10_predict_and_measure"]
+             "10_predict_and_measure", "12_kv_connector"]
     for stem in stems:
         n = len([p for p in (WRONG / stem).glob("*.py") if not p.name.startswith("_")])
         assert n >= 3, f"tests/wrong_answers/{stem}/ has {n} wrong answers; keep at least 3"
