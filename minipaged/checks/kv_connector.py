@@ -34,7 +34,9 @@ from ._core import (
     Story,
     failure,
     fmt_list,
+    is_stub,
     learner_call,
+    not_implemented,
     passed,
     run_with_time_limit,
 )
@@ -437,6 +439,10 @@ def check_serving(conn_cls: type, timeout: float = 600) -> None:
     """Your connector plugged into the engine (``check_part`` first) serves SmolLM2: its greedy tokens are a clean
     engine's, and it has as many host-tier hits as minipaged's host tier."""
     _refuse_reference(conn_cls=conn_cls)
+    for member in ("__init__",) + CONNECTOR_MEMBERS:  # a stub is named before the model loads
+        fn = getattr(conn_cls, member, None)
+        if fn is not None and is_stub(fn):
+            raise not_implemented(f"{getattr(conn_cls, '__name__', 'your connector')}.{member}")
     state = {"current": "loading SmolLM2-135M-Instruct"}
 
     def body():
