@@ -46,6 +46,7 @@ WORKBOOK = {
     "07_whole_engine": "07_assemble",
     "08_prefix_caching_and_sharing": "08_prefix_caching",
     "12_speculative_decoding": "09_speculative_decoding",
+    "14_where_kv_lives": "12_kv_connector",
 }
 MAX_CELL_LINES = 30
 
