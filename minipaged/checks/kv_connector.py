@@ -386,6 +386,11 @@ def _connector_stories(cls: type, stats: dict) -> None:
     r.finish(r.admit("again", [1, 2, 3, 4, 5]))
     r.finish(r.admit("again", [7, 8, 9, 10, 11]))
     r.finish(r.admit("again2", [7, 8, 9, 10, 11, 12]))
+    r = _ConnRun(cls, 2, 2, 24, "a stored block computed again is used again: it becomes the most recently used", stats)
+    r.finish(r.admit("x", [1, 2, 3, 4]))
+    r.finish(r.admit("x2", [1, 2, 3, 4]))  # block 0 loaded; block 1 (the last token's) computed and saved again
+    r.finish(r.admit("y", [9, 9, 9]))  # a full store: the least recently used goes
+    r.finish(r.admit("x3", [1, 2, 3, 4, 5]))
     r = _ConnRun(cls, 2, 3, 24, "a full host store evicts; a request never fails", stats)
     for i in range(4):
         r.finish(r.admit(f"f{i}", [100 + i] * 5))
@@ -411,7 +416,7 @@ def check_connector(conn_cls: type, seed: int = 0, runs: int = 20, timeout: floa
                 r.finish(r.admit(f"r{j}", tokens, chunk=chunk, decode=rng.randint(0, bs + 1)))
 
     run_guarded("12", NAME, body, timeout, stats)
-    passed(f"KV connector: 8 stories and {runs} random runs, {stats['ops']} calls; every matched count and both KV caches "
+    passed(f"KV connector: 9 stories and {runs} random runs, {stats['ops']} calls; every matched count and both KV caches "
            "after every load matched minipaged's HostOffloadConnector.")
 
 
