@@ -83,7 +83,8 @@ _ENGINE_STATE = ("minipaged.cpu",)
 # a check module's own caches, filled while a check runs (the reference model of 07)
 # module data a check writes on purpose (a cache; workbook 10 keeps the learner's passed predictions for the
 # measurement cells, which never grade): not compared before and after a check
-_CHECK_CACHES = {"minipaged.checks.assemble": ("_MODEL",), "minipaged.checks.predict": ("PREDICTIONS",)}
+_CHECK_CACHES = {"minipaged.checks.assemble": ("_MODEL",), "minipaged.checks.predict": ("PREDICTIONS",),
+                 "minipaged.checks.kv_connector": ("_BASELINES",)}
 _PLAIN = (int, float, str, bytes, bool, type(None), complex)
 
 
