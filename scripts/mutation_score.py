@@ -242,7 +242,8 @@ RECOMPILE = {"02": ("MyBlockAllocator", "minipaged.block_allocator", "BlockAlloc
              "06": ("MyScheduler", "minipaged.scheduler", "Scheduler"),
              "08": ("copy_on_write", "minipaged.prefix_cache", "copy_on_write"),
              "09": ("propose_ngram", "minipaged.spec_decode", "propose_ngram"),
-             "11": ("choice_mask", "minipaged.structured_output", "choice_mask")}
+             "11": ("choice_mask", "minipaged.structured_output", "choice_mask"),
+             "12": ("MyHostConnector", "minipaged.kv_connector", "HostOffloadConnector")}
 UNLISTED_CALL = "__import__('minipaged.checks._core', fromlist=['plain']).plain(0)"
 THREAD_START = ("__import__('threading').Thread(target=lambda: __import__('time').sleep(3600), daemon=True, "
                 "name='my-worker').start()")

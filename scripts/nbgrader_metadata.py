@@ -44,6 +44,7 @@ CELL_TIMEOUT_S = {
     "09_speculative_decoding": (12, 90),  # SmolLM2 served with speculation on
     "10_predict_and_measure": (10, 60),  # the profile measured once; the ledger builds 12 engines (~7 s)
     "11_structured_outputs": (8, 60),  # SmolLM2 loaded for its vocabulary; the 30 masks take about a second
+    "12_kv_connector": (25, 120),  # SmolLM2 loaded, 4 prompts served on 3 engines (clean, minipaged's tier, yours)
 }
 DEFAULT_CELL_TIMEOUT_S = 120  # a workbook not in the table yet: as much as the slowest
 

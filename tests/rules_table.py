@@ -28,6 +28,7 @@ PC = "minipaged.checks.prefix_cache"
 SD = "minipaged.checks.spec_decode"
 PM = "minipaged.checks.predict"
 SO = "minipaged.checks.structured"
+KC = "minipaged.checks.kv_connector"
 
 RULES = [
     # 01: KV-cache arithmetic
@@ -280,6 +281,24 @@ RULES = [
     Rule("11_structured_outputs", "called from inside yours", f"{SO}:check_choice_mask", "calls_reference_choice_mask",
          "delegation"),
     Rule("11_structured_outputs", "and xgrammar's matcher", f"{SO}:check_choice_mask", "uses_xgrammar_matcher", "delegation"),
+    # 12: the host tier behind the KV connector
+    Rule("12_kv_connector", "a full store evicts its **least recently used** block", f"{KC}:check_store", "evicts_most_recent"),
+    Rule("12_kv_connector", "`get(h)` of a stored block makes it the most recently used", f"{KC}:check_store",
+         "get_does_not_refresh"),
+    Rule("12_kv_connector", "a full store never fails a request", f"{KC}:check_store", "store_full_raises"),
+    Rule("12_kv_connector", "a new block takes the lowest free slot", f"{KC}:check_store", "slots_from_the_top"),
+    Rule("12_kv_connector", "after the first `num_computed_tokens`", f"{KC}:check_connector", "counts_from_block_zero"),
+    Rule("12_kv_connector", "It is never the block holding the last token", f"{KC}:check_connector", "last_token_counted",
+         "numerical"),
+    Rule("12_kv_connector", "The count stops at the first block the store does not hold", f"{KC}:check_connector",
+         "skips_a_miss"),
+    Rule("12_kv_connector", "the **last** `num_external_tokens // block_size`", f"{KC}:check_connector",
+         "loads_into_first_blocks"),
+    Rule("12_kv_connector", "Save only the blocks this step made full", f"{KC}:check_connector", "saves_partial_block"),
+    Rule("12_kv_connector", "`request_finished(seq)` forgets the request", f"{KC}:check_connector",
+         "keeps_finished_hashes"),
+    Rule("12_kv_connector", "The checks refuse minipaged's own host tier", f"{KC}:check_connector", "minipaged_own",
+         "delegation"),
 ]
 # Wrong answers that test the checks' own machinery (time limit, a renamed class), not a stated rule.
 NOT_A_RULE = {"02_block_allocator/endless_loop", "07_assemble/renamed_class"}
@@ -298,7 +317,7 @@ WATCH_PLANTS_NOT_APPLICABLE = {
 NOT_A_RULE |= {f"{wb}/{plant}" for wb in ("01_kv_cache_math", "02_block_allocator", "03_block_table",
                                           "04_paged_attention_torch", "05_triton_decode_kernel", "06_scheduler",
                                           "07_assemble", "08_prefix_caching", "09_speculative_decoding",
-                                          "10_predict_and_measure", "11_structured_outputs")
+                                          "10_predict_and_measure", "11_structured_outputs", "12_kv_connector")
                for plant in WATCH_PLANTS}
 
 

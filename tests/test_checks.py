@@ -35,6 +35,8 @@ from minipaged.checks import CheckFailed, CheckTimeout, NotImplementedYet  # noq
 from minipaged.checks import block_allocator, block_table, kv_cache_math, scheduler  # noqa: E402
 from minipaged.checks import paged_attention as pa  # noqa: E402
 from minipaged.checks import triton_decode  # noqa: E402
+from minipaged.checks import kv_connector as kc  # noqa: E402
+from minipaged.kv_connector import HostKVStore, HostOffloadConnector  # noqa: E402
 from minipaged.checks._core import run_with_time_limit  # noqa: E402
 
 
@@ -127,7 +129,7 @@ def test_wrong_answer_is_rejected(path: Path, tmp_path: Path, request) -> None:
 def test_every_workbook_has_three_wrong_answers() -> None:
     stems = ["01_kv_cache_math", "02_block_allocator", "03_block_table", "04_paged_attention_torch",
              "05_triton_decode_kernel", "06_scheduler", "07_assemble", "08_prefix_caching", "09_speculative_decoding",
-             "10_predict_and_measure", "11_structured_outputs"]
+             "10_predict_and_measure", "11_structured_outputs", "12_kv_connector"]
     for stem in stems:
         n = len([p for p in (WRONG / stem).glob("*.py") if not p.name.startswith("_")])
         assert n >= 3, f"tests/wrong_answers/{stem}/ has {n} wrong answers; keep at least 3"
@@ -174,6 +176,9 @@ def test_solutions_pass_every_check(capsys) -> None:
     (lambda: pa.check_gather_kv(gather_kv), "gather_kv", "minipaged's own"),
     (lambda: pa.check_paged_attention(paged_attention), "paged_attention", "minipaged's own"),
     (lambda: kv_cache_math.check_bytes_per_token(kv_cache_math.ref_bytes_per_token), "ref_bytes_per_token", "minipaged's own"),
+    (lambda: kc.check_store(HostKVStore), "HostKVStore", "minipaged's own"),
+    (lambda: kc.check_connector(HostOffloadConnector), "HostOffloadConnector", "minipaged's own"),
+    (lambda: kc.check_serving(HostOffloadConnector), "HostOffloadConnector", "minipaged's own"),  # before the model loads
 ])
 def test_minipaged_own_part_is_refused(check, part, says) -> None:
     with pytest.raises(CheckFailed) as info:

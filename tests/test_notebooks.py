@@ -48,6 +48,7 @@ WORKBOOK = {
     "08_prefix_caching_and_sharing": "08_prefix_caching",
     "12_speculative_decoding": "09_speculative_decoding",
     "13_structured_outputs": "11_structured_outputs",
+    "14_where_kv_lives": "12_kv_connector",
 }
 MAX_CELL_LINES = 30
 

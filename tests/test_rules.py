@@ -125,6 +125,8 @@ _SOLUTION_ARGS = {
     "check_tensor_parallel": ("10_predict_and_measure", ["all_reduce_bytes_per_token", "tp_step_time"]),
     "check_break_even": ("10_predict_and_measure", ["break_even"]),
     "check_choice_mask": ("11_structured_outputs", ["choice_mask"]),
+    "check_store": ("12_kv_connector", ["MyHostStore"]),
+    "check_connector": ("12_kv_connector", ["MyHostConnector"]),
 }
 # Checks whose solution run needs the model: the solution workbooks pass them under nbval (tests/test_workbooks.py).
 _NEEDS_MODEL = {"check_serving", "check_ledger"}  # check_ledger: the solution's ledger is measured (see below)

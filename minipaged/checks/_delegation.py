@@ -47,6 +47,9 @@ WATCH: dict[str, list[tuple[str, str | None]]] = {
            ("minipaged.prefix_cache", "block_hashes"), ("minipaged.prefix_cache", "copy_on_write"),
            ("minipaged.prefix_cache", "blocks_to_write"), ("minipaged.prefix_cache", "num_cow_blocks"),
            ("minipaged.prefix_cache", "cache_computed_blocks")],
+    # 12: minipaged's host tier (its store, its connector, which blocks a step filled)
+    "12": [("minipaged.kv_connector", "HostKVStore"), ("minipaged.kv_connector", "HostOffloadConnector"),
+           ("minipaged.kv_connector", "newly_full_blocks")],
     "06": [("minipaged.scheduler", "Scheduler.add_request"), ("minipaged.scheduler", "Scheduler.schedule"),
            ("minipaged.scheduler", "Scheduler._preempt"), ("minipaged.scheduler", "Scheduler._why_never_fits")],
 }
@@ -78,6 +81,12 @@ ALLOW: dict[str, list[tuple[str, str | None]]] = {
            ("minipaged.sampling", None), ("minipaged.config", "EngineConfig")],
     "07": [],  # below: what 02-06 hand over (their parts run in 07's engine); WATCH["07"] still refuses the parts
     "08": [("minipaged.block_allocator", None), ("minipaged.block_table", None)],
+    # 12: the block shape, the store's size in blocks, the hash chain (workbook 08's) and the two copies
+    "12": [("minipaged.kv_connector", "KVLayout"), ("minipaged.kv_connector", "host_capacity_blocks"),
+           ("minipaged.kv_connector", "full_block_hashes"), ("minipaged.kv_connector", "gather_blocks"),
+           ("minipaged.kv_connector", "scatter_blocks"),
+           # the requests and steps the connector check hands over (minipaged.data's Sequence and ScheduledSeq fields)
+           ("minipaged.checks.kv_connector", "_Seq"), ("minipaged.checks.kv_connector", "_Sch")],
     # 09: the pool its rollback check hands over (minipaged's allocator, recorded), BlockTable to subclass
     "09": [("minipaged.block_allocator", None), ("minipaged.block_table", None),
            ("minipaged.checks.block_table", "_RecordingPool")],

@@ -24,10 +24,12 @@ WORKBOOKS = [
     "09_speculative_decoding",
     "10_predict_and_measure",
     "11_structured_outputs",
+    "12_kv_connector",
 ]
 # Workbooks whose checks load the model: a grader imports what the model load imports (torch._dynamo, which
 # rebinds torch.manual_seed) before it takes its snapshot, and the mutation script loads the model once.
-MODEL_WORKBOOKS = ("07_assemble", "09_speculative_decoding", "10_predict_and_measure", "11_structured_outputs")
+MODEL_WORKBOOKS = ("07_assemble", "09_speculative_decoding", "10_predict_and_measure", "11_structured_outputs",
+                   "12_kv_connector")
 CHECK_PREFIX = "# CHECK"
 _SEPARATORS = " _-.()[]"
 

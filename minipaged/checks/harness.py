@@ -84,7 +84,8 @@ _ENGINE_STATE = ("minipaged.cpu",)
 # module data a check writes on purpose (a cache; workbook 10 keeps the learner's passed predictions for the
 # measurement cells, which never grade): not compared before and after a check
 _CHECK_CACHES = {"minipaged.checks.assemble": ("_MODEL",), "minipaged.checks.predict": ("PREDICTIONS",),
-                 "minipaged.checks.structured": ("_STATE",)}
+                 "minipaged.checks.structured": ("_STATE",),
+                 "minipaged.checks.kv_connector": ("_BASELINES",)}
 _PLAIN = (int, float, str, bytes, bool, type(None), complex)
 
 

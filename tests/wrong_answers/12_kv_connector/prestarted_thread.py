@@ -1,0 +1,20 @@
+"""The solved MyHostConnector, with a thread of the learner's started before the check and still running (a worker
+that could run minipaged's reference out of the watch's sight): refused, saying why."""
+CHECK = "minipaged.checks.kv_connector:check_connector"
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _plant  # noqa: E402
+
+EXPECT = _plant.THREAD_EXPECT
+_WORKER = _plant.PreStarted()
+
+
+def answer():
+    _WORKER.start()
+    return (_plant.solved('12_kv_connector')['MyHostConnector'],)
+
+
+def teardown():
+    _WORKER.stop()
