@@ -121,8 +121,11 @@ def _time_route_linears(engine: Any, rows: tuple, repeats: int) -> dict:
 
     @torch.inference_mode()
     def timed(mods: list, r: int) -> float:
-        xs = [torch.randn(r, m.weight.shape[1]) for m in mods]
-        return _median(lambda: [ex.plan.ops.linear(m, x) for m, x in zip(mods, xs)], repeats)
+        # one input per width, as in a forward pass, where q, k and v (and gate and up) read the same activation
+        # while it is still in cache: 210 cold inputs of their own would time the memory traffic of inputs that
+        # the real step never pays (a quarter of a 128-row prefill's matmuls on SmolLM2)
+        x_of = {w: torch.randn(r, w) for w in {m.weight.shape[1] for m in mods}}
+        return _median(lambda: [ex.plan.ops.linear(m, x_of[m.weight.shape[1]]) for m in mods], repeats)
 
     return {"rows": list(rows), "body_s": [timed(body, r) for r in rows], "head_s": [timed(head, r) for r in rows]}
 
