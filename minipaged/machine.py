@@ -328,19 +328,35 @@ def _num(x: float, unit: str) -> str:
     return f"{s} {unit}" if unit else s
 
 
-def check_prediction(name: str, predicted: float, measured: float, tolerance: float, unit: str = "",
-                     explained: str | None = None) -> Prediction:
+def check_prediction(name: str, predicted: float, measured: float, tolerance: float | None = None, unit: str = "",
+                     explained: str | None = None, factor: float | None = None) -> Prediction:
     """Print ``prediction <name>: predicted X, measured Y (Z% off, tolerance T%)`` and return it.
     Beyond ``tolerance`` (a fraction: 0.25 = 25%) a miss must be explained: with ``explained`` (its
     cause, shown by a measurement beside it) the next line reads ``explained miss: <cause>``;
-    without, AssertionError, which fails the cell."""
-    if not 0 < tolerance < 1:
+    without, AssertionError, which fails the cell.
+
+    A derived quantity that is a ratio of measured differences (a knee: the batch-1 floor over the
+    cost of one more sequence) is checked within a ``factor`` instead (1.5: the prediction lies
+    between measured / 1.5 and measured x 1.5); the line then ends ``tolerance a factor of 1.5``.
+    Give one of ``tolerance`` and ``factor``."""
+    if (tolerance is None) == (factor is None):
+        raise ValueError("give one of tolerance= (a fraction of the measurement, 0.25 = 25%) and factor= (1.5: "
+                         "within measured / 1.5 .. measured x 1.5)")
+    if tolerance is not None and not 0 < tolerance < 1:
         raise ValueError(f"tolerance is a fraction of the measurement (0.25 = 25%), got {tolerance}")
+    if factor is not None and not 1 < factor <= 2:
+        raise ValueError(f"factor is how far apart the two may be, between 1 and 2 (1.5: within measured / 1.5 .. "
+                         f"measured x 1.5), got {factor}")
     predicted, measured = float(predicted), float(measured)
     off = abs(measured - predicted) / abs(measured) if measured else math.inf
-    ok = off <= tolerance
+    if factor is not None:
+        ok = predicted > 0 < measured and max(predicted / measured, measured / predicted) <= factor
+        tol_text = f"tolerance a factor of {factor:g}"
+    else:
+        ok = off <= tolerance
+        tol_text = f"tolerance {tolerance * 100:g}%"
     line = (f"prediction {name}: predicted {_num(predicted, unit)}, measured {_num(measured, unit)} "
-            f"({off * 100:.1f}% off, tolerance {tolerance * 100:g}%)")
+            f"({off * 100:.1f}% off, {tol_text})")
     print(line)
     if not ok:
         if not explained:
@@ -349,8 +365,8 @@ def check_prediction(name: str, predicted: float, measured: float, tolerance: fl
                 f"(route, batch, context, what is timed), then rerun the cell: a busy machine slows a measurement "
                 f"(a shared CPU); a miss that stays needs its cause measured and passed as explained=")
         print(f"explained miss: {explained}")
-    return Prediction(name, predicted, measured, tolerance, off, ok, explained if not ok else None)
-
+    return Prediction(name, predicted, measured, tolerance if tolerance is not None else factor - 1, off, ok,
+                      explained if not ok else None)
 
 
 def check_decode_step(llm_or_engine: Any, name: str, batch: int, context: int, tolerance: float = 0.25,

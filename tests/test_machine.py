@@ -94,6 +94,22 @@ def test_check_prediction_fails_beyond_tolerance_unless_the_miss_is_explained(ca
         machine.check_prediction("knee", 4, 36, 25)
 
 
+def test_check_prediction_within_a_factor_is_symmetric_and_says_so(capsys):
+    """A knee (a floor over a difference of two steps) is checked within a factor: 1.5 passes 24 and 54
+    against 36, fails 23 and 55, and the line names the factor in the one format."""
+    for pred in (24.0, 54.0):
+        assert machine.check_prediction("knee", pred, 36, factor=1.5).ok
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "prediction knee: predicted 24.0, measured 36.0 (33.3% off, tolerance a factor of 1.5)"
+    for pred in (23.0, 55.0):
+        with pytest.raises(AssertionError, match="tolerance a factor of 1.5"):
+            machine.check_prediction("knee", pred, 36, factor=1.5)
+    with pytest.raises(ValueError, match="one of tolerance"):
+        machine.check_prediction("knee", 30, 36, 0.25, factor=1.5)
+    with pytest.raises(ValueError, match="between 1 and 2"):
+        machine.check_prediction("knee", 30, 36, factor=3)
+
+
 # -- measured on a tiny model ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_model):
