@@ -55,10 +55,13 @@ def _serve(model, tokenizer, prompts, params, first_alone: bool = False, **engin
         rid = eng.add_request({"prompt_token_ids": prompts[0]}, params)
         first = [eng.run()[rid]]
         prompts = prompts[1:]
-    t0 = time.perf_counter()
-    ids = [eng.add_request({"prompt_token_ids": p} if isinstance(p, list) else p, params) for p in prompts]
-    done = eng.run()
-    wall = time.perf_counter() - t0
+    from .gpu.validate import record_steps
+
+    with record_steps(eng) as rec:  # what each step scheduled, untimed: a cost model prices the same steps
+        t0 = time.perf_counter()
+        ids = [eng.add_request({"prompt_token_ids": p} if isinstance(p, list) else p, params) for p in prompts]
+        done = eng.run()
+        wall = time.perf_counter() - t0
     outs = [done[i] for i in ids]
     ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs]
     gen = sum(sum(len(c.token_ids) for c in getattr(o, "outputs", None) or [o]) for o in outs)
@@ -81,6 +84,7 @@ def _serve(model, tokenizer, prompts, params, first_alone: bool = False, **engin
         "hit_rate": stats.hit_rate if stats is not None else 0.0,
         "evictions": getattr(getattr(eng.scheduler, "allocator", None), "num_evictions", 0),
         "steps": eng.num_steps,
+        "scheduled_steps": [list(step) for step in rec.steps],  # the timed part's steps: (start, num_new) per sequence
     }
 
 
