@@ -674,3 +674,32 @@ def test_workbook_10_ledger_check_runs_measure_pair_and_refuses_a_contradicting_
 
     with pytest.raises(CheckFailed, match="contradicts its interval"):
         pm.check_ledger(lying, base.speedup_interval, base.verdict, arms=arms)
+
+
+def test_a_module_fingerprinted_while_it_is_still_being_imported_is_read_again_once_imported():
+    """The watch runs during imports, so the copy finder can meet a package module half executed. It
+    must not mark that module done: a function defined after that moment would never be fingerprinted,
+    and its copy, compiled again under a learner's file, would pass (it did, when the rules ran first)."""
+    import importlib.machinery
+    import types
+
+    from minipaged.checks import _delegation
+
+    name = "minipaged._half_imported_for_a_test"
+    src = ("def late(a, b):\n    total, seen = 0, {}\n    for i in range(a):\n        seen[i % 7] = seen.get(i % 7, 0) + b\n"
+           "        total += i * b - (i % 3) + seen[i % 7] // 2\n        if total > 10_000:\n            total -= a * b\n"
+           "    return total, sorted(seen.items())\n")
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    mod.__spec__._initializing = True
+    sys.modules[name] = mod
+    try:
+        _delegation.package_fingerprints()                  # met mid-import: nothing of it is defined yet
+        exec(compile(src, os.path.join(os.path.dirname(_delegation.__file__), "_half_imported.py"), "exec"), mod.__dict__)
+        mod.late.__module__ = name
+        mod.__spec__._initializing = False                  # the import completes
+        copy = {}
+        exec(compile(src, "my_copy.py", "exec"), copy)
+        assert _delegation.package_copy(copy["late"].__code__) == f"{name}.late"
+    finally:
+        del sys.modules[name]

@@ -254,6 +254,8 @@ def _fingerprints_so_far():
         for name, module in list(sys.modules.items()):
             if name in done or not (name == "minipaged" or name.startswith("minipaged.")):
                 continue
+            if getattr(getattr(module, "__spec__", None), "_initializing", False):
+                continue  # still being imported (the watch sees code run during an import): its functions later
             done.add(name)
             members: dict = {}
             for attr, member in list(vars(module).items()):
