@@ -16,18 +16,20 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
-from .bench.gpu.cost import AttentionProfile, Calibration, LinearProfile, StepCostModel
+from .bench.gpu.cost import AttentionProfile, Calibration, FusedDecodeProfile, LinearProfile, StepCostModel
 from .bench.gpu.specs import ModelSpec
 
 # The profile's grids. Quick: a lesson's budget (about 10 s for SmolLM2-135M on 2 CPU cores); full: the
 # CPU validation's grids. Rows past a grid's last point extend its last segment (cost._interp).
 QUICK = {"rows": (1, 2, 3, 4, 8, 16, 32, 64, 128), "linear_repeats": 5,
          "attention_batches": (1, 8, 64), "attention_contexts": (32, 128, 512), "attention_repeats": 2,
-         "decode_batches": (1, 16), "decode_context": 32, "decode_steps": 3, "prefill_tokens": (256,)}
+         "decode_batches": (1, 16), "decode_context": 32, "decode_steps": 3, "prefill_tokens": (256,),
+         "fused_batches": (4, 32)}
 FULL = {"rows": (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024),
         "linear_repeats": 5, "attention_batches": (1, 2, 4, 8, 16, 32, 64),
         "attention_contexts": (32, 64, 128, 256, 512, 1024), "attention_repeats": 5,
-        "decode_batches": (1, 64), "decode_context": 64, "decode_steps": 8, "prefill_tokens": (256, 512)}
+        "decode_batches": (1, 64), "decode_context": 64, "decode_steps": 8, "prefill_tokens": (256, 512),
+        "fused_batches": (4, 16)}
 # knee(): the decode steps whose slope is "the cost of one more sequence", at this context (the lessons'
 # decode measurements run contexts of 32-128 tokens)
 KNEE_BATCHES = (1, 32, 64)
@@ -50,6 +52,7 @@ class MachineProfile:
     measure_seconds: float
     model_spec: ModelSpec
     measured_at: float = 0.0
+    fused_decode: FusedDecodeProfile | None = None  # the route's fused whole-step decode, timed whole
 
     @property
     def ridge(self) -> float:
@@ -174,19 +177,46 @@ def _measure(engine: Any, quick: bool, fresh: bool = False) -> MachineProfile:
     eng = _private_engine(engine, s)
     v.measure_decode(eng, 1, 8, 1, seed=99)  # warm-up: first touch, lazy init
 
-    def fitted() -> tuple[Calibration, float]:
+    def fitted() -> tuple[Calibration, float, list]:
         dec = [v.measure_decode(eng, b, s["decode_context"], s["decode_steps"], seed=b) for b in s["decode_batches"]]
         pre = [v.measure_prefill(eng, n, repeats=1, seed=n) for n in s["prefill_tokens"]]
         c = v.fit_calibration(machine, spec, dec, pre, profile=linear, attention=attention)
-        return c, overhead_share(c, dec)
+        return c, overhead_share(c, dec), dec
 
-    cal, share = fitted()
+    cal, share, dec = fitted()
     if share > MAX_OVERHEAD_SHARE:  # the operators were timed at a quieter moment than the steps: measure again
         print(f"machine profile: the fitted overheads are {share:.0%} of the smallest decode step measured (above "
               f"{MAX_OVERHEAD_SHARE:.0%}: the machine was busy while the steps ran?); measuring the steps again")
-        cal = min((cal, share), fitted(), key=lambda cs: cs[1])[0]
+        cal, share, dec = min((cal, share, dec), fitted(), key=lambda csd: csd[1])
+    fused = _time_fused_decode(engine, s, dec) if fuses_decode(engine) else None
     return MachineProfile(route_of(engine), ceil["read_GBps"], ceil["gemm_gflops"], linear, attention, cal,
-                          time.perf_counter() - t0, spec, time.monotonic())
+                          time.perf_counter() - t0, spec, time.monotonic(), fused)
+
+
+def fuses_decode(engine: Any) -> bool:
+    """True where the engine's plan runs a pure decode step as one fused call (the C whole-step decode)."""
+    return engine.plan.routes.get("whole_step_decode", "off").startswith("c")
+
+
+def _time_fused_decode(engine: Any, s: dict, dec: list) -> FusedDecodeProfile:
+    """The fused route's pure decode steps, timed whole: the calibration's own decode steps (``dec``, at
+    ``decode_batches``: on this route they ran fused) and as many more batches (``fused_batches``) at the
+    same context, then made non-decreasing in the batch as :func:`lower_envelope` does for matmuls."""
+    from .bench.gpu.validate import measure_decode
+    from .config import Parts
+    from .engine import LLMEngine
+
+    more, ctx = s["fused_batches"], s["decode_context"]
+    per_seq = -(-(ctx + s["decode_steps"] + 4) // engine.config.block_size)
+    cfg = engine.config.replace(num_blocks=max(more) * per_seq + 8, kv_cache_bytes=None, max_num_seqs=max(more),
+                                max_num_batched_tokens=max(more) * ctx, enable_prefix_caching=False,
+                                record_trace=False, speculative_config=None)  # every prompt in one step, then decodes
+    eng = LLMEngine(engine.model, None, config=cfg, parts=Parts(attention=engine.parts.attention))
+    timed = {len(d.step): d.seconds for d in dec}
+    timed.update({b: measure_decode(eng, b, ctx, s["decode_steps"], seed=7 + b).seconds for b in more if b not in timed})
+    batches = sorted(timed)
+    return FusedDecodeProfile(batches, lower_envelope([timed[b] for b in batches]), ctx,
+                              source=f"machine.profile: {route_of(engine)}, whole steps")
 
 
 def profile(llm_or_engine: Any, quick: bool = True, fresh: bool = False) -> MachineProfile:
@@ -212,11 +242,12 @@ def profile(llm_or_engine: Any, quick: bool = True, fresh: bool = False) -> Mach
 def cost_model(prof: MachineProfile) -> StepCostModel:
     """The step-cost model of this profile, for the scheduler-on-a-clock simulator (replays,
     goodput): ``simulator.run(..., skip_ahead=False)``, since measured attention prices each step's
-    own groups of decodes."""
+    own groups of decodes. On a route that fuses a decode step into one call, a pure decode step
+    is priced from that call's own timing (``prof.fused_decode``), every other step from its parts."""
     from .bench.gpu import validate as v
 
     return v.cost_model(v.machine_spec(prof.read_GBps * 1e9, prof.gemm_gflops * 1e9), prof.model_spec,
-                        prof.calibration, prof.linear, prof.attention)
+                        prof.calibration, prof.linear, prof.attention, fused_decode=prof.fused_decode)
 
 
 def predict_step(prof: MachineProfile, step: Iterable[tuple[int, int]], logits_rows: int | None = None) -> float:

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from minipaged import machine
-from minipaged.bench.gpu.cost import AttentionProfile, Calibration, LinearProfile
+from minipaged.bench.gpu.cost import AttentionProfile, Calibration, FusedDecodeProfile, LinearProfile
 from minipaged.bench.gpu.specs import ModelSpec
 
 SPEC = ModelSpec("hand", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
@@ -70,6 +70,23 @@ def test_break_even_acceptance_and_expected_speedup_on_hand_worked_numbers():
     assert machine.break_even_acceptance(5.0, 4) == math.inf                      # k + 1 steps' price: never
     with pytest.raises(ValueError, match="verify_cost_ratio"):
         machine.expected_speedup(0.5, 4, 0.0)
+
+
+def test_a_fused_route_prices_a_pure_decode_step_from_its_whole_step_timing():
+    """On a route whose pure decode steps are one fused call (the C whole-step decode), such a step costs
+    the fused table at its batch, its attention moved from the table's context to the step's own; a step
+    with a prompt in it is still priced from its parts (the fused call never runs it)."""
+    parts = hand_profile()
+    fused = replace(parts, fused_decode=FusedDecodeProfile((1, 16, 64), (0.005, 0.020, 0.050), context=32))
+    assert machine.predict_decode(fused, 1, 32) == pytest.approx(0.005)
+    assert machine.predict_decode(fused, 8, 32) == pytest.approx(0.005 + 7 / 15 * 0.015)    # between 1 and 16
+    longer = 8 * 1e-4 * (1 + 3 * (512 - 32) / 480) - 8 * 1e-4                                  # the attention at 512 keys, less at 32
+    assert machine.predict_decode(fused, 8, 512) == pytest.approx(0.005 + 7 / 15 * 0.015 + longer)
+    mixed = [(31, 1), (0, 40)]
+    assert machine.predict_step(fused, mixed) == pytest.approx(machine.predict_step(parts, mixed))
+    assert machine.predict_decode(parts, 8, 32) > machine.predict_decode(fused, 8, 32)        # the parts' price is another
+    with pytest.raises(ValueError, match="one time per batch"):
+        FusedDecodeProfile((1, 16), (0.005,), context=32)
 
 
 # -- the one format ------------------------------------------------------------------------------
@@ -325,3 +342,22 @@ def test_ceilings_keep_each_ceilings_best_reading_for_a_sitting(tmp_path, monkey
     assert hardware.ceilings(cache_s=3600)["read_GBps"] == 13.0
     path.write_text("not json")
     assert hardware.ceilings(cache_s=3600)["read_GBps"] == 14.0
+
+
+@pytest.mark.slow
+def test_the_default_route_here_is_profiled_whole_where_it_fuses_its_decode_step(smollm2):
+    """On a CPU whose plan runs the C whole-step decode, the profile times those steps whole at the
+    calibration's batches and the fused grid's, one context, and prices a pure decode step from them;
+    elsewhere it has no fused table."""
+    from minipaged.engine import LLMEngine
+
+    model, tok = smollm2
+    eng = LLMEngine(model, tok, num_blocks=64)
+    prof = machine.profile(eng, fresh=True)
+    if not machine.fuses_decode(eng):
+        assert prof.fused_decode is None
+        pytest.skip(f"this CPU's plan runs no fused decode step: {eng.plan.routes['whole_step_decode']}")
+    fd = prof.fused_decode
+    assert set(fd.batches) == set(machine.QUICK["decode_batches"]) | set(machine.QUICK["fused_batches"])
+    assert fd.context == machine.QUICK["decode_context"] and list(fd.seconds) == sorted(fd.seconds) and fd.seconds[0] > 0
+    assert machine.predict_decode(prof, 4, fd.context) == pytest.approx(fd.at(4))

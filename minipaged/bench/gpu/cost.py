@@ -231,6 +231,36 @@ class AttentionProfile:
 
 
 @dataclass(frozen=True)
+class FusedDecodeProfile:
+    """A route that runs a decode-only step as one fused call (minipaged's C whole-step decode:
+    every layer and the head in one call) is one operator, so it is profiled as one: ``seconds[i]``
+    is a whole pure-decode step of ``batches[i]`` sequences reading ``context`` keys each, measured
+    on the route itself, sampling included. Pricing such a step from the linear layers timed one
+    call at a time would charge it the per-call costs the fused call does not pay."""
+
+    batches: tuple
+    seconds: tuple
+    context: int
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batches", _axis("a fused decode profile's batches", self.batches))
+        t = tuple(float(x) for x in self.seconds)
+        if len(t) != len(self.batches) or self.context < 1:
+            raise ValueError(f"a fused decode profile needs one time per batch ({len(self.batches)}) and a context >= 1, "
+                             f"got {len(t)} times and context {self.context}")
+        object.__setattr__(self, "seconds", t)
+
+    def at(self, batch: int) -> float:
+        """The whole step at ``batch`` sequences of ``context`` keys (interpolated between batches)."""
+        return _interp(self.batches, self.seconds, batch)
+
+    def to_dict(self) -> dict:
+        return {"batches": list(self.batches), "seconds": list(self.seconds), "context": self.context,
+                "source": self.source}
+
+
+@dataclass(frozen=True)
 class StepCost:
     """One step's cost broken down, in seconds: the roofline's two sides, the linear layers'
     measured time where a :class:`LinearProfile` gives it (then the roofline covers attention
@@ -288,6 +318,7 @@ class StepCostModel:
     dtype_bytes: int | None = None  # default: the model's (2, fp16)
     linear_profile: LinearProfile | None = None  # measured matmul times (the CPU validation); None on a GPU spec
     attention_profile: AttentionProfile | None = None  # measured decode attention (the CPU validation)
+    fused_decode: FusedDecodeProfile | None = None  # a route whose pure decode steps are one fused call
 
     def __post_init__(self) -> None:
         self.gpu, self.model = get_gpu(self.gpu), get_model(self.model)
@@ -304,6 +335,11 @@ class StepCostModel:
 
     def cost(self, step: Iterable[tuple[int, int]]) -> StepCost:
         """The cost of one step of ``(start, num_new)`` pairs (see the class)."""
+        fd = self.fused_decode
+        if fd is not None:
+            step = list(step)
+            if step and all(n == 1 and start > 0 for start, n in step):
+                return self._fused(fd, [start + 1 for start, _ in step])
         tokens = ctx = pairs = seqs = 0
         decodes: list[int] = []
         ap = self.attention_profile
@@ -324,6 +360,14 @@ class StepCostModel:
         c = self._cost(tokens, ctx, pairs, seqs)
         measured = ap.decode(decodes) + (ap.prefill(tuple(rest)) if rest else 0.0)
         return replace(c, attention_s=measured)
+
+    def _fused(self, fd: FusedDecodeProfile, contexts: list[int]) -> StepCost:
+        """A pure decode step on a fused route: the whole step measured at its batch, its attention
+        moved from the profile's context to the step's own by the attention profile (where given)."""
+        ap, b = self.attention_profile, len(contexts)
+        attention = ap.decode(contexts) if ap is not None else 0.0
+        at_profile = ap.decode([fd.context] * b) if ap is not None else 0.0
+        return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, linear_s=max(fd.at(b) - at_profile, 0.0), attention_s=attention)
 
     def cost_of_totals(self, tokens: int, ctx: int, pairs: int, seqs: int) -> StepCost:
         """The cost of a step from its totals: new ``tokens``, the contexts read (``ctx``, the sum

@@ -70,9 +70,10 @@ def model_spec_of(model: Any, name: str | None = None, dtype_bytes: int | None =
 
 
 def cost_model(machine: GPUSpec, model: ModelSpec, calibration: Calibration,
-               profile: LinearProfile | None = None, attention: AttentionProfile | None = None) -> StepCostModel:
+               profile: LinearProfile | None = None, attention: AttentionProfile | None = None,
+               fused_decode: Any = None) -> StepCostModel:
     return StepCostModel(machine, model, calibration, dtype_bytes=model.dtype_bytes, linear_profile=profile,
-                         attention_profile=attention)
+                         attention_profile=attention, fused_decode=fused_decode)
 
 
 def route_decode_groups(backend: Any) -> Any:
