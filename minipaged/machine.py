@@ -33,6 +33,8 @@ FULL = {"rows": (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128
 # knee(): the decode steps whose slope is "the cost of one more sequence", at this context (the lessons'
 # decode measurements run contexts of 32-128 tokens)
 KNEE_BATCHES = (1, 32, 64)
+# the prompt length after which a fused route's extra decode batches are timed (machine._time_fused_decode)
+FUSED_PROMPT = 8
 KNEE_CONTEXT = 32
 
 
@@ -188,7 +190,7 @@ def _measure(engine: Any, quick: bool, fresh: bool = False) -> MachineProfile:
         print(f"machine profile: the fitted overheads are {share:.0%} of the smallest decode step measured (above "
               f"{MAX_OVERHEAD_SHARE:.0%}: the machine was busy while the steps ran?); measuring the steps again")
         cal, share, dec = min((cal, share, dec), fitted(), key=lambda csd: csd[1])
-    fused = _time_fused_decode(engine, s, dec) if fuses_decode(engine) else None
+    fused = _time_fused_decode(engine, s, dec, attention) if fuses_decode(engine) else None
     return MachineProfile(route_of(engine), ceil["read_GBps"], ceil["gemm_gflops"], linear, attention, cal,
                           time.perf_counter() - t0, spec, time.monotonic(), fused)
 
@@ -198,22 +200,26 @@ def fuses_decode(engine: Any) -> bool:
     return engine.plan.routes.get("whole_step_decode", "off").startswith("c")
 
 
-def _time_fused_decode(engine: Any, s: dict, dec: list) -> FusedDecodeProfile:
+def _time_fused_decode(engine: Any, s: dict, dec: list, attention: AttentionProfile) -> FusedDecodeProfile:
     """The fused route's pure decode steps, timed whole: the calibration's own decode steps (``dec``, at
-    ``decode_batches``: on this route they ran fused) and as many more batches (``fused_batches``) at the
-    same context, then made non-decreasing in the batch as :func:`lower_envelope` does for matmuls."""
+    ``decode_batches`` and ``decode_context``: on this route they ran fused) and the batches of
+    ``fused_batches``, timed after short prompts (``FUSED_PROMPT`` tokens: their prefill is most of what
+    timing them costs) and moved to ``decode_context`` by the attention profile; then made non-decreasing
+    in the batch as :func:`lower_envelope` does for matmuls."""
     from .bench.gpu.validate import measure_decode
     from .config import Parts
     from .engine import LLMEngine
 
-    more, ctx = s["fused_batches"], s["decode_context"]
-    per_seq = -(-(ctx + s["decode_steps"] + 4) // engine.config.block_size)
+    more, ctx, n = s["fused_batches"], s["decode_context"], FUSED_PROMPT
+    per_seq = -(-(n + s["decode_steps"] + 4) // engine.config.block_size)
     cfg = engine.config.replace(num_blocks=max(more) * per_seq + 8, kv_cache_bytes=None, max_num_seqs=max(more),
-                                max_num_batched_tokens=max(more) * ctx, enable_prefix_caching=False,
+                                max_num_batched_tokens=max(512, max(more) * n), enable_prefix_caching=False,
                                 record_trace=False, speculative_config=None)  # every prompt in one step, then decodes
     eng = LLMEngine(engine.model, None, config=cfg, parts=Parts(attention=engine.parts.attention))
     timed = {len(d.step): d.seconds for d in dec}
-    timed.update({b: measure_decode(eng, b, ctx, s["decode_steps"], seed=7 + b).seconds for b in more if b not in timed})
+    for b in (b for b in more if b not in timed):
+        smp = measure_decode(eng, b, n, s["decode_steps"], seed=7 + b)
+        timed[b] = smp.seconds - attention.decode([a + 1 for a, _ in smp.step]) + attention.decode([ctx] * b)
     batches = sorted(timed)
     return FusedDecodeProfile(batches, lower_envelope([timed[b] for b in batches]), ctx,
                               source=f"machine.profile: {route_of(engine)}, whole steps")

@@ -397,3 +397,27 @@ def test_without_the_fast_kernel_the_fp32_weights_serve_unless_required():
     assert loop.plan.routes["linear"].startswith("gguf")
     req = loop.add_request([3, 4, 5, 6], params)
     assert loop.run()[req].token_ids == want
+
+
+@pytest.mark.slow
+def test_a_files_blocks_are_read_once_while_a_plan_holds_them_and_freed_after(smollm2, monkeypatch):
+    """A second engine on a loaded GGUF model reuses the blocks the first one's plan holds (reading
+    the file's metadata again costs seconds an engine); once no plan holds them they are freed, and
+    the next engine reads the file again."""
+    import gc
+
+    from minipaged.cpu import gguf_blocks
+
+    model, _ = smollm2
+    reads = []
+    real = gguf_blocks.read_blocks
+    monkeypatch.setattr(gguf_blocks, "read_blocks", lambda *a: reads.append(1) or real(*a))
+    model.source.cache.pop("gguf_blocks", None)
+    first, why = gguf_blocks.model_blocks(model)
+    second, _ = gguf_blocks.model_blocks(model)
+    assert why is None and len(reads) == 1 and all(second[m] is first[m] for m in first)
+    del first, second
+    gc.collect()
+    assert model.source.cache["gguf_blocks"]() is None, "no plan holds the blocks: they must be freed"
+    gguf_blocks.model_blocks(model)
+    assert len(reads) == 2

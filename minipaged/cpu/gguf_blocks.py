@@ -187,6 +187,13 @@ class _FileBlocks(dict):
     """hf name -> GGUFBlocks of one file (a dict that can be weakly referenced)."""
 
 
+class _ModuleBlocks(dict):
+    """module -> GGUFBlocks for one model; holds its file's blocks (``file``), so the source's weak
+    reference to them lives exactly as long as a plan that multiplies from them."""
+
+    file: _FileBlocks
+
+
 def model_blocks(model) -> tuple[dict | None, str | None]:
     """The GGUF file's blocks for each of ``model``'s linear layers (module -> GGUFBlocks), or why
     not. They are read once per loaded file and shared by the plans that use them; the model's
@@ -207,7 +214,8 @@ def model_blocks(model) -> tuple[dict | None, str | None]:
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear) and m is not model.lm_head:
             names[f"model.{name}.weight"] = m
-    blocks = {m: by_name[n] for n, m in names.items() if n in by_name}
+    blocks = _ModuleBlocks((m, by_name[n]) for n, m in names.items() if n in by_name)
+    blocks.file = by_name  # the next engine on this model reads them from memory, not the file again (seconds)
     if not blocks:
         return None, "the GGUF file holds no Q4_0/Q4_1/Q8_0 linear weights"
     return blocks, None
