@@ -1,8 +1,9 @@
-"""Start ``minipaged serve`` in a child process and wait until it answers (lessons, tests).
+"""Start ``minipaged serve`` (or ``minipaged proxy``) in a child process and wait until it answers (lessons, tests, benches).
 
 Owns one child process: a free port on 127.0.0.1, the command line, waiting for ``/health``,
 and stopping it by its pid (SIGTERM, then SIGKILL after a grace period). It never imports the
-server or the engine itself, so the notebook or test that calls it stays light.
+server or the engine itself, so the notebook or test that calls it stays light. Several children
+can start side by side: ``spawn()`` each, then ``wait_ready()`` each (``start()`` does both).
 """
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ class ServerProcess:
 
     Keyword arguments become flags (``max_num_seqs=8`` -> ``--max-num-seqs 8``; True -> the bare
     flag, False -> ``--no-...``). The child's output goes to ``log_path``; ``tail()`` shows it.
+    ``command="proxy"`` runs ``minipaged proxy`` instead (``prefill=URL, decode=URL``, no model).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 env: dict | None = None, startup_timeout_s: float = 180.0, **flags: Any) -> None:
+                 env: dict | None = None, startup_timeout_s: float = 180.0, command: str = "serve", **flags: Any) -> None:
+        if command not in ("serve", "proxy"):
+            raise ValueError(f"command must be 'serve' or 'proxy', got {command!r}")
         self.host, self.port = host, port or free_port(host)
-        self.cmd = [sys.executable, "-m", "minipaged", "serve", "--host", host, "--port", str(self.port)]
+        self.cmd = [sys.executable, "-m", "minipaged", command, "--host", host, "--port", str(self.port)]
         if model is not None:
             self.cmd += ["--model", str(model)]
         for k, v in flags.items():
@@ -68,13 +72,23 @@ class ServerProcess:
         return self.proc.pid
 
     def start(self) -> "ServerProcess":
+        """``spawn()``, then ``wait_ready()``."""
+        return self.spawn().wait_ready()
+
+    def spawn(self) -> "ServerProcess":
+        """Start the child and return at once (``wait_ready()`` waits for its ``/health``)."""
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         log.close()
+        return self
+
+    def wait_ready(self) -> "ServerProcess":
+        """Wait until ``/health`` answers 200; stop the child and raise if it exits or does not answer in time."""
+        assert self.proc is not None, "spawn() the server first"
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.proc.returncode} while starting:\n{self.tail()}")
+                raise RuntimeError(f"`minipaged {self.cmd[3]}` exited with code {self.proc.returncode} while starting:\n{self.tail()}")
             try:
                 with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -83,17 +97,19 @@ class ServerProcess:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise TimeoutError(f"the server did not answer /health within {self.startup_timeout_s:.0f} s:\n{self.tail()}")
+        raise TimeoutError(f"`minipaged {self.cmd[3]}` did not answer /health within {self.startup_timeout_s:.0f} s:\n{self.tail()}")
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM by pid, wait up to ``grace_s``, then SIGKILL. Returns the exit code."""
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
-        os.kill(self.proc.pid, signal.SIGTERM)
         try:
+            os.kill(self.proc.pid, signal.SIGTERM)
             return self.proc.wait(grace_s)
+        except ProcessLookupError:  # it exited between the poll and the signal
+            return self.proc.wait(10)
         except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.kill()
             return self.proc.wait(10)
 
     def tail(self, n: int = 40) -> str:
