@@ -27,6 +27,8 @@ BENCH_COMMANDS = [
     ("structured", ".bench.structured", "structured outputs: the grammar mask's time per step at batch 1, 16, 64, and the parse rate"),
     ("offload", ".bench.offload", "a host-memory KV tier on and off: multi-turn prompts whose prefixes do not fit the device pool"),
     ("disagg", ".bench.disagg", "colocated against disaggregated prefill on the simulated GPU: goodput under TTFT/TPOT SLOs"),
+    ("disagg-serve", ".bench.disagg_serve", "bench serve's load against one colocated server, then against a producer, a "
+                                            "consumer and the proxy on this machine: TTFT, TPOT, goodput side by side"),
     ("paper", ".bench.gpu.paper", "the PagedAttention paper's Figs. 12-17 on a simulated GPU (real scheduler, no model)"),
     ("serve", ".bench.serve", "load-generate against an OpenAI-compatible server (minipaged or vLLM)"),
 ]

@@ -106,6 +106,7 @@ class Result:
     itl: list[float] = field(default_factory=list)
     error: str = ""
     finish_reason: str | None = None
+    text: str = ""  # the streamed text, joined (to compare two servers' greedy outputs)
 
     @property
     def tpot(self) -> float:
@@ -155,6 +156,7 @@ async def _one(client, url: str, endpoint: str, model: str, req: LoadRequest, t0
                     piece = ch.get("text") if endpoint != "chat" else (ch.get("delta") or {}).get("content")
                     now = time.perf_counter()
                     if piece:
+                        res.text += piece
                         if chunks == 0:
                             res.ttft = now - start
                         else:

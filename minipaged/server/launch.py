@@ -32,10 +32,14 @@ class ServerProcess:
     Keyword arguments become flags (``max_num_seqs=8`` -> ``--max-num-seqs 8``; True -> the bare
     flag, False -> ``--no-...``). The child's output goes to ``log_path``; ``tail()`` shows it.
     ``command="proxy"`` runs ``minipaged proxy`` instead (``prefill=URL, decode=URL``, no model).
+    ``own_group=True`` starts the child in a process group of its own: a Ctrl-C at the terminal then
+    reaches only the parent (which stops the child itself), and ``stop()`` also ends anything the
+    child started (``survivors()`` says whether any is left).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 env: dict | None = None, startup_timeout_s: float = 180.0, command: str = "serve", **flags: Any) -> None:
+                 env: dict | None = None, startup_timeout_s: float = 180.0, command: str = "serve", own_group: bool = False,
+                 **flags: Any) -> None:
         if command not in ("serve", "proxy"):
             raise ValueError(f"command must be 'serve' or 'proxy', got {command!r}")
         self.host, self.port = host, port or free_port(host)
@@ -55,6 +59,7 @@ class ServerProcess:
         self.env = dict(os.environ, **(env or {}))
         self.env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.startup_timeout_s = startup_timeout_s
+        self.own_group = own_group
         self.proc: subprocess.Popen | None = None
         self.log_path = Path(tempfile.mkstemp(prefix="minipaged-serve-", suffix=".log")[1])
 
@@ -78,7 +83,8 @@ class ServerProcess:
     def spawn(self) -> "ServerProcess":
         """Start the child and return at once (``wait_ready()`` waits for its ``/health``)."""
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=self.own_group)
         log.close()
         return self
 
@@ -100,7 +106,32 @@ class ServerProcess:
         raise TimeoutError(f"`minipaged {self.cmd[3]}` did not answer /health within {self.startup_timeout_s:.0f} s:\n{self.tail()}")
 
     def stop(self, grace_s: float = 30.0) -> int | None:
-        """SIGTERM by pid, wait up to ``grace_s``, then SIGKILL. Returns the exit code."""
+        """SIGTERM by pid, wait up to ``grace_s``, then SIGKILL. Returns the exit code. With
+        ``own_group``, whatever is left of the child's process group is then killed too."""
+        try:
+            return self._stop(grace_s)
+        finally:
+            if self.own_group and self.proc is not None and self.survivors():
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def survivors(self) -> bool:
+        """True while the child, or (with ``own_group``) anything in its process group, is alive."""
+        if self.proc is None:
+            return False
+        if self.proc.poll() is None:
+            return True
+        if not self.own_group:
+            return False
+        try:
+            os.killpg(self.proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def _stop(self, grace_s: float) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         try:
