@@ -24,6 +24,7 @@ import os
 import platform
 import signal
 import socket
+import sys
 import time
 from contextlib import contextmanager
 from typing import Any
@@ -423,10 +424,18 @@ def run(args: argparse.Namespace) -> int:
         serve_args = shlex.split(args.serve_args)
     except ValueError as e:
         raise ValueError(f"--serve-args is not a valid command line ({e}): quote it like \"--max-num-seqs 16\"") from None
-    res = compare(model=args.model, num_requests=args.num_requests, rate=args.rate, dataset=args.dataset, seed=args.seed,
-                  scale=args.scale, max_prompt=args.max_prompt, max_output=args.max_output, vocab_size=args.vocab_size,
-                  slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, serve_args=serve_args,
-                  startup_timeout_s=args.startup_timeout, timeout_s=args.timeout, progress=args.progress)
+    try:
+        res = compare(model=args.model, num_requests=args.num_requests, rate=args.rate, dataset=args.dataset,
+                      seed=args.seed, scale=args.scale, max_prompt=args.max_prompt, max_output=args.max_output,
+                      vocab_size=args.vocab_size, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                      serve_args=serve_args, startup_timeout_s=args.startup_timeout, timeout_s=args.timeout,
+                      progress=args.progress)
+    except KeyboardInterrupt:
+        print("minipaged bench disagg-serve: interrupted; the servers it started are stopped", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError) as e:  # a server that would not start: its log's tail is in the message
+        print(f"minipaged bench disagg-serve: error: {e}", file=sys.stderr)
+        return 1
     if args.note:
         res["note"] = args.note
     print()

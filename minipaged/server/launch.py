@@ -26,6 +26,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _prctl() -> Any:
+    """libc's ``prctl`` on Linux (loaded here, in the parent, not in the forked child), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
 class ServerProcess:
     """``with ServerProcess(model=..., max_num_seqs=8) as srv: srv.url`` -> "http://127.0.0.1:PORT/v1".
 
@@ -34,7 +46,8 @@ class ServerProcess:
     ``command="proxy"`` runs ``minipaged proxy`` instead (``prefill=URL, decode=URL``, no model).
     ``own_group=True`` starts the child in a process group of its own: a Ctrl-C at the terminal then
     reaches only the parent (which stops the child itself), and ``stop()`` also ends anything the
-    child started (``survivors()`` says whether any is left).
+    child started (``survivors()`` says whether any is left); on Linux the child is also sent
+    SIGTERM if the parent dies without stopping it (killed with SIGKILL, say).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, host: str = "127.0.0.1", port: int | None = None,
@@ -83,8 +96,11 @@ class ServerProcess:
     def spawn(self) -> "ServerProcess":
         """Start the child and return at once (``wait_ready()`` waits for its ``/health``)."""
         log = open(self.log_path, "wb")
+        prctl = _prctl() if self.own_group else None
+        # PR_SET_PDEATHSIG (1): the kernel sends the child SIGTERM when this thread's process dies
+        before = (lambda: prctl(1, signal.SIGTERM)) if prctl is not None else None
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=self.own_group)
+                                     start_new_session=self.own_group, preexec_fn=before)
         log.close()
         return self
 
