@@ -12,6 +12,8 @@
 - profile: docs/figures/profile.json, written by `minipaged bench profile --json docs/figures/profile.json`
 - tp:      docs/figures/tp.json, written by `minipaged bench tp --json docs/figures/tp.json`
 - spec:    docs/figures/spec.json, written by `minipaged bench spec --json docs/figures/spec.json`
+- disagg_serve: docs/figures/disagg_serve.json, written by
+           `minipaged bench disagg-serve --json docs/figures/disagg_serve.json`
 
 Usage: python scripts/update_readme.py [--check]   (--check: exit 1 if the README is stale)
 """
@@ -259,6 +261,15 @@ def tp_block() -> str:
     return "\n".join(lines)
 
 
+def disagg_serve_block() -> str:
+    p = ROOT / "docs" / "figures" / "disagg_serve.json"
+    if not p.exists():
+        return "(run `minipaged bench disagg-serve --json docs/figures/disagg_serve.json` to measure)"
+    from minipaged.bench.disagg_serve import format_markdown
+
+    return format_markdown(json.loads(p.read_text()))
+
+
 def validation_block() -> str:
     """The simulated GPU's cost model against this CPU (scripts/validate_simgpu_cpu.py)."""
     p = ROOT / "docs" / "figures" / "simgpu_cpu_validation.json"
@@ -305,6 +316,7 @@ BLOCKS = {"badges": badges_block, "ablation": ablation_block, "timings": timings
           "profile": profile_block,
           "tp": tp_block,
           "spec": spec_block,
+          "disagg_serve": disagg_serve_block,
           "simgpu_validation": validation_block}
 
 

@@ -392,6 +392,43 @@ def format_result(res: dict) -> str:
     return "\n\n".join([head, format_table(res), statement(res), stop])
 
 
+def command_of(res: dict, json_path: str = "docs/figures/disagg_serve.json") -> str:
+    """The command line that made ``res`` (its settings that differ from the defaults, and ``--json``)."""
+    import shlex
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    defaults = vars(ap.parse_args([]))
+    args = res.get("arguments", {})
+    parts = ["minipaged", "bench", "disagg-serve"]
+    for key in ("num_requests", "rate", "max_output"):  # always shown: the load's size
+        parts += ["--" + key.replace("_", "-"), format(args.get(key, defaults[key]), "g")]
+    for key, default in defaults.items():
+        v = args.get(key, default)
+        if key in ("num_requests", "rate", "max_output", "json", "progress") or v == default or v is None:
+            continue
+        parts += ["--" + key.replace("_", "-"), str(v)]
+    if args.get("progress") is False:
+        parts.append("--no-progress")
+    parts += ["--json", json_path]
+    return " ".join(shlex.quote(x) for x in parts)
+
+
+def format_markdown(res: dict) -> str:
+    """What the README shows: the command, the table, the statement (every figure from ``res``)."""
+    m = res["machine"]
+    head = (f"Command: `{command_of(res)}` ({res['model']}, {m['cpus']} CPU cores, torch {m['torch']}; measured "
+            f"{res.get('when', '?')}, the whole run {res['timings_s']['whole_run']:.0f} s"
+            + (f"; {res['note']}" if res.get("note") else "") + ").")
+    st = res["runs"][COLOCATED]["settings"]
+    load = (f"Both columns got the same {st['num_requests']} requests ({st['dataset']} lengths at scale {st['scale']}, "
+            f"{st['max_output']} output tokens at most, EOS ignored, greedy; seed {st['seed']}) at the same Poisson "
+            f"arrival times, {st['rate']} req/s, each after one unmeasured warm-up request.")
+    stop = (f"Afterwards: {len(res['processes'])} processes stopped, none left (process groups checked): "
+            f"{res['all_stopped']}; their ports free: {res['ports_free']}.")
+    return "\n\n".join([head + " " + load, format_table(res), statement(res), stop])
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .serve import DATASETS, _rate
 
@@ -445,4 +482,5 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-__all__ = ["compare", "check_arguments", "format_table", "format_result", "statement", "Children"]
+__all__ = ["compare", "check_arguments", "format_table", "format_result", "format_markdown", "command_of", "statement",
+           "Children"]
