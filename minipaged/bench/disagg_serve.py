@@ -192,7 +192,7 @@ def _health(base: str) -> dict:
 def compare(model: str | None = None, num_requests: int = 12, rate: float = 1.0, dataset: str = "sharegpt-like",
             seed: int = 0, scale: float = 0.5, max_prompt: int = 256, max_output: int = 32, vocab_size: int = 49152,
             slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 400.0, serve_args: list[str] | None = None,
-            startup_timeout_s: float = 300.0, timeout_s: float = 600.0, env: dict | None = None,
+            startup_timeout_s: float = 600.0, timeout_s: float = 600.0, env: dict | None = None,
             progress: bool = True, log: Any = print) -> dict:
     """Both runs, one after the other; the JSON report as a dict. Every child is stopped before it returns or raises."""
     from ..model import resolve_model_path
@@ -286,6 +286,8 @@ def _report(reports: dict, side: dict, stopped: list, free: bool, timings: dict,
         hop = d["ttft_ms"]["mean"] - prod["e2e_mean_ms"] - cons["ttft_mean_ms"]
     one_hop = (c["ttft_ms"]["mean"] - col["ttft_mean_ms"]) if None not in (c["ttft_ms"]["mean"], col["ttft_mean_ms"]) else None
     clean = {k: {kk: vv for kk, vv in r.items() if not kk.startswith("_")} for k, r in reports.items()}
+    for k, r in reports.items():  # a load generator that was starved or paused sends late: say by how much
+        clean[k]["max_send_lag_s"] = _send_lag(r)
     return {
         "what": "bench serve's load against one colocated minipaged serve, then the same requests against a kv_producer, "
                 "a kv_consumer and minipaged proxy, all on this machine's CPU cores",
@@ -309,6 +311,16 @@ def _report(reports: dict, side: dict, stopped: list, free: bool, timings: dict,
                     "torch": torch.__version__, "python": platform.python_version()},
         "when": time.strftime("%Y-%m-%d"),
     }
+
+
+def _send_lag(report: dict) -> float:
+    """The most any request was sent after its scheduled arrival time, in seconds."""
+    from .serve import arrival_times
+
+    st = report["settings"]
+    rate = float(st["rate"])
+    times = arrival_times(st["num_requests"], rate, st["arrival"], st["burst_size"], st["seed"])
+    return max((r.send - t for r, t in zip(report["_results"], times)), default=0.0)
 
 
 def _diff(a: float | None, b: float | None) -> float | None:
@@ -337,7 +349,9 @@ def format_table(res: dict) -> str:
             ("E2E latency p50 (ms)", _ms(c["e2el_ms"]["p50"]), _ms(d["e2el_ms"]["p50"])),
             (f"goodput (req/s; TTFT <= {slo['ttft_ms']:.0f} ms and TPOT <= {slo['tpot_ms']:.0f} ms, "
              f"over {s['num_requests']} / {s['rate']} req/s)", good(c), good(d)),
-            ("output tokens/s", f"{c['output_throughput']:.1f}", f"{d['output_throughput']:.1f}")]
+            ("output tokens/s (over the run's length)", f"{c['output_throughput']:.1f}", f"{d['output_throughput']:.1f}")]
+    if "max_send_lag_s" in c:
+        rows.append(("latest send behind its arrival time (s)", f"{c['max_send_lag_s']:.2f}", f"{d['max_send_lag_s']:.2f}"))
     lines = ["| " + " | ".join(r) + " |" for r in rows]
     lines.insert(1, "| --- | ---: | ---: |")
     return "\n".join(lines)
@@ -374,6 +388,12 @@ def statement(res: dict) -> str:
                   "engine processes can keep two cores busier than one engine's step loop does (a prefill on the "
                   "producer runs while the consumer decodes), and the two runs met different moments of a machine "
                   "other work shares." if faster else "")
+    late = [f"{LABELS[k].split(' (')[0]} run by {r['max_send_lag_s']:.1f} s" for k, r in res["runs"].items()
+            if r.get("max_send_lag_s", 0.0) > 1.0]
+    if late:
+        why_faster += (" The load generator fell behind its own schedule (" + ", ".join(late) + "): other work starved "
+                       "or paused it, so the run's length, and the throughput over it, say more about the machine "
+                       "than about either setup.")
     return (f"What this can and cannot show: the producer, the consumer and the proxy (and the load generator) run on the "
             f"same {cpus} CPU cores, so a prefill still takes the cores the decodes need. Disaggregation's benefit on GPUs "
             f"(decode steps free of prefill interference, each phase on hardware of its own) cannot appear here, and the "
@@ -447,7 +467,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=400.0, help="... and TPOT at most this (default 400: a CPU's pace)")
     p.add_argument("--serve-args", default="", help='more flags for every server, e.g. "--max-num-seqs 16" (not the host, '
                                                     'port, model or KV connector: the bench sets those)')
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds each server may take to answer /health")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each server may take to answer /health (default 600)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take before what is left is cancelled")
     p.add_argument("--note", default=None, help="a note kept in the JSON, e.g. that the machine was shared")
     p.add_argument("--json", default=None, help="also write the report here (e.g. docs/figures/disagg_serve.json)")
