@@ -491,6 +491,8 @@ def run(args: argparse.Namespace) -> int:
         print("minipaged bench disagg-serve: interrupted; the servers it started are stopped", file=sys.stderr)
         return 130
     except (RuntimeError, TimeoutError) as e:  # a server that would not start: its log's tail is in the message
+        if isinstance(e, (FileNotFoundError, ValueError)):  # a missing model: the command line's usual error, status 2
+            raise
         print(f"minipaged bench disagg-serve: error: {e}", file=sys.stderr)
         return 1
     if args.note:
