@@ -38,7 +38,6 @@ from ._core import (
     describe_exception,
     failure,
     fmt_list,
-    is_stub,
     learner_call,
     not_implemented,
     passed,
@@ -47,7 +46,7 @@ from ._core import (
     run_with_time_limit,
     watching,
 )
-from ._delegation import guarded, refuse_package_class, refuse_package_function
+from ._delegation import guarded, refuse_package_class, refuse_package_function, refuse_reference_function
 from .block_table import _RecordingPool, fork_both, page_table_picture
 
 NAME = "09 speculative decoding"
@@ -175,12 +174,7 @@ def _proposer_cases(seed: int, runs: int) -> list:
 
 
 def _refuse_proposer(fn: Any) -> None:
-    if is_stub(fn):
-        raise not_implemented(getattr(fn, "__name__", "propose_ngram"))
-    if getattr(fn, "__wrapped__", fn) is ref_propose:
-        raise CheckFailed(f"{NAME}: this is minipaged's own propose_ngram (minipaged.spec_decode). Write yours in the cell "
-                          "above, run it, then run this check again.")
-    refuse_package_function(fn, NAME, "propose_ngram")
+    refuse_reference_function(fn, ref_propose, NAME, "propose_ngram", "minipaged.spec_decode")
 
 
 def check_proposer(propose_fn: Callable, seed: int = 0, runs: int = 300, timeout: float = DEFAULT_TIMEOUT_S) -> None:
