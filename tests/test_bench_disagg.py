@@ -34,3 +34,23 @@ def test_the_disagg_arrivals_are_the_benchs_one_poisson_process():
     arr = _arrivals(rate=3.0, n=40, seed=5, max_len=2048)
     assert [t for t, _, _ in arr] == poisson_arrivals(40, 3.0, 5)
     assert all(p >= 1 and o >= 2 for _, p, o in arr)
+
+
+def test_each_gpu_is_the_benchs_clock_loop_and_a_decode_gpu_starts_where_the_prefill_left_off():
+    """bench disagg runs clock.run_clock with OneGPU as the scheduler: whole prompts within the token budget (the
+    first one whatever its size), decodes never counted against it; a request that arrived over the link (arrived)
+    decodes from its prompt's end on, one position further each step, and stops after its output length in all."""
+    from minipaged.bench.clock import run_clock
+    from minipaged.bench.disagg import OneGPU, arrived
+
+    starts = []
+    cost = lambda scheduled: starts.append([(s.start, s.num_new_tokens) for s in scheduled]) or 1.0  # noqa: E731
+    run = run_clock(OneGPU(budget=8, max_num_seqs=4), [(6, 3), (5, 2), (4, 2)], [0.0, 0.0, 0.0], cost)
+    # step 1: request 0's prompt (6 + 5 > 8 holds request 1 back); step 2: 0 decodes (not budgeted), 1's prompt
+    # (5 + 4 > 8 holds 2 back); step 3: 0 and 1 decode, 2's prompt
+    assert starts[:3] == [[(0, 6)], [(6, 1), (0, 5)], [(7, 1), (5, 1), (0, 4)]]
+    assert run.first_token == [1.0, 2.0, 3.0] and run.finish == [3.0, 3.0, 4.0]
+    starts.clear()
+    run = run_clock(OneGPU(budget=8, max_num_seqs=4), [(10, 3)], [0.5], cost, make_request=arrived)
+    assert starts == [[(10, 1)], [(11, 1)]]  # the first token came from the prefill GPU: two more here
+    assert run.finish == [2.5]

@@ -3,10 +3,12 @@ decide every step, a step-cost function prices it, and the clock moves on. No mo
 
 Owns the one event loop every simulation in ``minipaged.bench`` runs (:func:`run_clock`): the
 simulated GPU (``gpu/simulator.py``: the paper's figures, the CPU validation in
-``gpu/validate.py``), the lessons' replays (``serving.simulate_online``, lessons 06 and 09) and
-the traces the pictures draw (``simulate.simulate``). Each of those is a thin caller: it builds
-the parts, picks a cost, and reads what it needs from the :class:`ClockRun`. Also owns the
-arrivals (:func:`poisson_arrivals`) and the two small contracts a caller prices a run with:
+``gpu/validate.py``), the lessons' replays (``serving.simulate_online``, lessons 06 and 09), the
+traces the pictures draw (``simulate.simulate``) and ``minipaged bench disagg``'s GPUs
+(``disagg.simulate``, with a scheduler of its own, ``disagg.OneGPU``). Each of those is a thin
+caller: it builds the parts, picks a cost, and reads what it needs from the :class:`ClockRun`.
+Also owns the arrivals (:func:`poisson_arrivals`) and the two small contracts a caller prices a
+run with:
 
 * a **step cost** (:class:`StepSeconds`): ``cost(scheduled) -> seconds``, given the step's
   scheduled records (``minipaged.data.ScheduledSeq``: ``start``, ``num_new_tokens``,

@@ -16,15 +16,20 @@ transfer counts against TPOT. Goodput is the requests per second that meet both 
 not modelled (at most ``max_num_seqs`` run per GPU). Disaggregation does not raise throughput: the
 same two GPUs do the same work; it trades one GPU's prefill capacity for steadier decode steps.
 
+Each GPU runs on the bench's one scheduler-on-a-clock loop (``clock.run_clock``) with :class:`OneGPU`
+as its scheduler. The roles come from the requests alone: the prefill GPU's ask for one token (the
+first), the decode GPU's arrive with their prompt's KV computed and their first token sampled
+(:func:`arrived`).
+
     minipaged bench disagg [--rates 0.5,1,2,3,4] [--ttft-slo 1.0] [--tpot-slo 0.1] [--json docs/figures/disagg.json]
 """
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
+from ..data import ScheduledSeq, SchedulerOutput, Sequence
 from . import save_run
-from .clock import poisson_arrivals
+from .clock import LengthStop, poisson_arrivals, run_clock
 
 LINKS = {"nvlink": 300e9, "pcie4": 25e9, "rdma100": 12.5e9}  # bytes/s, one direction
 
@@ -38,47 +43,55 @@ def _arrivals(rate: float, n: int, seed: int, max_len: int) -> list[tuple[float,
     return [(t, max(1, int(p)), max(2, int(o))) for t, (p, o) in zip(times, sample_lengths("sharegpt", n, max_len=max_len, seed=seed))]
 
 
-def _serve(reqs: list, cost: Any, prefill: bool, decode: bool, budget: int, max_num_seqs: int) -> dict[int, list[float]]:
-    """One GPU's continuous batching over ``reqs`` = (ready time, id, prompt, output, first-token time or None).
-    Returns id -> [first token time, finish time]."""
-    pending = sorted(reqs)
-    waiting: list = []
-    running: list = []  # [id, context, tokens left]
-    done: dict[int, list[float]] = {}
-    clock, i = 0.0, 0
-    while i < len(pending) or waiting or running:
-        if not waiting and not running:
-            clock = max(clock, pending[i][0])
-        while i < len(pending) and pending[i][0] <= clock:
-            waiting.append(pending[i])
-            i += 1
-        step = [(ctx - 1, 1) for _, ctx, _ in running] if decode else []
-        admitted, tokens = [], 0
-        while waiting and len(running) + len(admitted) < max_num_seqs:
-            r = waiting[0]
-            n = r[2] if prefill else 1
-            if admitted and tokens + n > budget:
+class OneGPU:
+    """One GPU's scheduler for the clock (``clock.run_clock``): continuous batching, no memory model.
+    Every step decodes one token of each running sequence, then admits waiting requests first come
+    first served, each with all of its tokens not yet computed (a whole prompt; one token for a request
+    whose prompt KV arrived computed), the first whatever its size and the others within ``budget``
+    tokens, up to ``max_num_seqs`` running. Nothing is preempted or rejected."""
+
+    def __init__(self, budget: int, max_num_seqs: int) -> None:
+        self.budget, self.max_num_seqs = budget, max_num_seqs
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    def add_request(self, seq: Sequence) -> bool:
+        self.waiting.append(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        step = [ScheduledSeq.of(seq, 1) for seq in self.running]
+        tokens = 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            n = self.waiting[0].num_tokens - self.waiting[0].num_computed_tokens
+            if tokens and tokens + n > self.budget:
                 break
-            admitted.append(waiting.pop(0))
+            seq = self.waiting.pop(0)
+            self.running.append(seq)
+            step.append(ScheduledSeq.of(seq, n))
             tokens += n
-            step.append((0, n) if prefill else (r[2], 1))
-        if not step:
-            clock = pending[i][0]
-            continue
-        clock += cost.step_time(step)
-        still = []
-        for r in running:  # this step's decodes: one token each
-            r[1] += 1
-            r[2] -= 1
-            done[r[0]][1] = clock
-            if r[2] > 0:
-                still.append(r)
-        for _, rid, p, o, first in admitted:  # a prompt computed (or, decode-only, its last token): one token
-            done[rid] = [first if first is not None else clock, clock]
-            if decode and o > 1:
-                still.append([rid, p + 1, o - 1])
-        running = still
-    return done
+        return SchedulerOutput(scheduled=step, num_batched_tokens=sum(s.num_new_tokens for s in step))
+
+    def update(self, out: SchedulerOutput, sampled: dict) -> list[Sequence]:
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.append_token(sampled[s.seq.seq_id])
+        out.finished = [seq for seq in self.running if seq.finish_reason is not None]
+        self.running = [seq for seq in self.running if seq.finish_reason is None]
+        return out.finished
+
+
+def arrived(i: int, prompt_len: int, output_len: int) -> Sequence:
+    """Request ``i`` as the decode GPU gets it (``run_clock``'s ``make_request``): its prompt's KV
+    computed (it came over the link) and its first token sampled on the prefill GPU, so its first
+    step there decodes; it stops after ``output_len`` tokens in all."""
+    seq = Sequence(i, [0] * prompt_len, max_tokens=output_len, ignore_eos=True, num_computed_tokens=prompt_len)
+    seq.stop_checker = LengthStop(seq)
+    seq.stop_checker.advance(1)  # the first token, from the prefill GPU
+    return seq
 
 
 def simulate(system: str, rate: float, n: int = 200, seed: int = 0, gpu: str = "a100-40gb", model: str = "opt-13b",
@@ -88,23 +101,25 @@ def simulate(system: str, rate: float, n: int = 200, seed: int = 0, gpu: str = "
 
     cost = StepCostModel(gpu, model)
     arr = _arrivals(rate, n, seed, max_len)
+    times = [t for t, _, _ in arr]
+    lengths = [(p, o) for _, p, o in arr]
     out: dict[int, tuple[float, float]] = {}
     if system == "colocated":
-        for g in range(2):
-            reqs = [(t, k, p, o, None) for k, (t, p, o) in enumerate(arr) if k % 2 == g]
-            for k, (first, last) in _serve(reqs, cost, True, True, budget, max_num_seqs).items():
-                out[k] = (first, last)
+        for g in range(2):  # round robin: GPU g serves requests g, g + 2, ...
+            ks = range(g, n, 2)
+            run = run_clock(OneGPU(budget, max_num_seqs), [lengths[k] for k in ks], [times[k] for k in ks], cost)
+            for j, k in enumerate(ks):
+                out[k] = (run.first_token[j], run.finish[j])
     elif system == "disaggregated":
-        pre = _serve([(t, k, p, o, None) for k, (t, p, o) in enumerate(arr)], cost, True, False, budget, max_num_seqs)
+        pre = run_clock(OneGPU(budget, max_num_seqs), [(p, 1) for p, _ in lengths], times, cost)  # the first token
         bw = LINKS[link]
-        link_free, ready = 0.0, []
-        for k in sorted(pre, key=lambda k: pre[k][1]):
-            start = max(link_free, pre[k][1])
-            link_free = start + arr[k][1] * cost.kv_per_token / bw
-            ready.append((link_free, k, arr[k][1], arr[k][2] - 1, pre[k][0]))
-        dec = _serve([r for r in ready if r[3] > 0], cost, False, True, budget, max_num_seqs)
-        for k in pre:
-            out[k] = (pre[k][0], dec[k][1] if k in dec else pre[k][0])
+        link_free, ready = 0.0, [0.0] * n
+        for k in sorted(range(n), key=lambda k: pre.finish[k]):  # one transfer at a time, as the prefills finish
+            link_free = max(link_free, pre.finish[k]) + lengths[k][0] * cost.kv_per_token / bw
+            ready[k] = link_free
+        dec = run_clock(OneGPU(budget, max_num_seqs), lengths, ready, cost, make_request=arrived)
+        for k in range(n):
+            out[k] = (pre.first_token[k], dec.finish[k])
     else:
         raise ValueError(f"system must be colocated or disaggregated, got {system!r}")
     rows = []
@@ -176,4 +191,4 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["simulate", "goodput", "run_sweep", "format_sweep", "LINKS"]
+__all__ = ["simulate", "goodput", "run_sweep", "format_sweep", "LINKS", "OneGPU", "arrived"]

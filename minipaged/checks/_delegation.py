@@ -19,7 +19,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
 
-from ._core import CheckFailed, run_with_time_limit
+from ._core import CheckFailed, is_stub, not_implemented, run_with_time_limit
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CHECKS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -361,6 +361,23 @@ def refuse_package_function(fn: Any, workbook_name: str, what: str) -> None:
         )
 
 
+def refuse_reference(fn: Any, ref: Any, workbook_name: str, what: str) -> None:
+    """Refuse ``fn`` when it is minipaged's ``ref`` itself (or wraps it); ``what`` names it, with its
+    module: ``"copy_on_write (minipaged.prefix_cache)"``."""
+    if getattr(fn, "__wrapped__", fn) is ref:
+        raise CheckFailed(f"{workbook_name}: this is minipaged's own {what}. Write yours in the cell above, run it, then "
+                          "run this check again.")
+
+
+def refuse_reference_function(fn: Any, ref: Any, workbook_name: str, name: str, module: str) -> None:
+    """What a check of the learner's function ``name`` refuses before it runs: a stub (it still raises
+    NotImplementedError), minipaged's ``ref`` (from ``module``) itself, or any other function of minipaged's."""
+    if is_stub(fn):
+        raise not_implemented(getattr(fn, "__name__", name))
+    refuse_reference(fn, ref, workbook_name, f"{name} ({module})")
+    refuse_package_function(fn, workbook_name, name)
+
+
 # -- the dynamic refusal ---------------------------------------------------------------------------
 _BASELINE_THREADS = frozenset(threading._active)  # alive when the checks were imported (the kernel's, the harness's)
 _LIBRARY_ROOTS = tuple({os.path.abspath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
@@ -665,5 +682,6 @@ def run_guarded(workbook: str, workbook_name: str, body: Any, timeout: float, st
     return run_with_time_limit(watched_body, timeout, workbook_name, lambda: state["current"])
 
 
-__all__ = ["ALLOW", "ALWAYS_ALLOWED", "WATCH", "Guard", "allowed", "fingerprint", "package_copy", "package_fingerprints", "guarded", "run_guarded", "in_package", "refuse_package_class", "refuse_package_function", "watched",
+__all__ = ["ALLOW", "ALWAYS_ALLOWED", "WATCH", "Guard", "allowed", "fingerprint", "package_copy", "package_fingerprints", "guarded", "run_guarded", "in_package", "refuse_package_class", "refuse_package_function", "refuse_reference",
+           "refuse_reference_function", "watched",
            "watched_codes"]

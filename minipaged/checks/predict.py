@@ -117,6 +117,24 @@ def _number(title: str, got: Any, desc: str) -> None:
                       hint="return a plain Python number (float(x) of a tensor or a numpy value).")
 
 
+def _judge(title: str, got: Any, exp: float, tolerance: float, *, expected: str, hint: str, desc: str = "",
+           got_as: Callable[[float], str] = _fmt, ok: Callable[[float, float], bool] | None = None) -> None:
+    """The learner's prediction ``got`` beside the model's ``exp``: a failure titled ``title`` (``desc``: what
+    was asked) unless ``got`` is a plain number (:func:`_number`) within ``tolerance`` of ``exp`` (relative,
+    :func:`_close`; ``ok(got, exp)`` instead where a check has its own rule). The failure shows ``expected``,
+    ``got_as(got)`` and the ``hint``."""
+    _number(title, got, desc)
+    if not (ok(got, exp) if ok is not None else _close(got, exp, tolerance)):
+        raise failure(title, done=desc, expected=expected, got=got_as(got), hint=hint)
+
+
+def _keep(key: str, name: str, got: float, model: float, tolerance: float, unit: str = "") -> None:
+    """Keep the learner's prediction for this machine under ``key`` (the measurement cells read
+    :data:`PREDICTIONS`) and print it beside the model's (:func:`_show`)."""
+    PREDICTIONS[key] = got
+    print(_show(name, got, model, tolerance, unit))
+
+
 def beside(name: str, predicted: float | None, measured: float, tolerance: float, unit: str = "", cause: str = "") -> bool:
     """Print ``prediction <name>: predicted X, measured Y (Z% off, tolerance T%)``, the format of
     ``minipaged.machine.check_prediction``; beyond tolerance, a line that says where to look
@@ -327,19 +345,15 @@ def check_goodput(goodput: Callable, this_run: tuple | None = None, timeout: flo
             desc = f"ttfts = {[round(x, 3) for x in ttft]}\ntpots = {[round(x, 3) for x in tpot]}"
             got = learner_call(goodput, list(ttft), list(tpot), dict(s), window, what=what)
             exp = ref_goodput(ttft, tpot, s, window)
-            title = f"{NAME}: {what} is wrong."
-            _number(title, got, desc)
-            if not _close(got, exp, 1e-9):
-                raise failure(title, done=desc, expected=f"{exp:.6g} requests/s", got=f"{got!r}",
-                              hint=("goodput = requests that met BOTH targets (TTFT <= slo['ttft_s'] and TPOT <= "
-                                    "slo['tpot_s']; a request right at a target meets it) / window_s, the offered "
-                                    "window in seconds."))
+            _judge(f"{NAME}: {what} is wrong.", got, exp, 1e-9, desc=desc, expected=f"{exp:.6g} requests/s", got_as=repr,
+                   hint=("goodput = requests that met BOTH targets (TTFT <= slo['ttft_s'] and TPOT <= "
+                         "slo['tpot_s']; a request right at a target meets it) / window_s, the offered "
+                         "window in seconds."))
             shown.append((got, exp))
 
     _run(body, "goodput(...)", timeout)
     if this_run is not None:
-        PREDICTIONS["goodput"] = shown[-1][0]
-        print(_show("goodput of the simulated run", shown[-1][0], shown[-1][1], 1e-9, " req/s"))
+        _keep("goodput", "goodput of the simulated run", *shown[-1], 1e-9, " req/s")
     passed(f"goodput: right on {len(cases)} runs (a request right at a target meets it).")
 
 
@@ -373,21 +387,17 @@ def check_gain(predict_gain: Callable, workload: tuple | None = None, timeout: f
             what = f"predict_gain(kv_tokens={kv}, lengths=<{len(lengths)} requests>, max_len={max_len})"
             got = learner_call(predict_gain, kv, list(lengths), max_len, what=what)
             exp = ref_gain(kv, lengths, max_len)
-            title = f"{NAME}: {what} is off."
             desc = f"lengths (prompt, output) = {lengths[:8]}" + (" ..." if len(lengths) > 8 else "")
-            _number(title, got, desc)
-            if not _close(got, exp, 0.02):
-                raise failure(title, done=desc, expected=f"{exp:.4g} (within 2%)", got=_fmt(got),
-                              hint=("Orca (Max) seats kv_tokens // max_len sequences (whole reservations). A paged "
-                                    "sequence holds its prompt plus half its output on average over its output_len "
-                                    "steps, so the tokens a running sequence holds, weighted by time, are "
-                                    "sum(o * (p + o / 2)) / sum(o); vLLM seats kv_tokens / that; the gain is the ratio."))
+            _judge(f"{NAME}: {what} is off.", got, exp, 0.02, desc=desc, expected=f"{exp:.4g} (within 2%)",
+                   hint=("Orca (Max) seats kv_tokens // max_len sequences (whole reservations). A paged "
+                         "sequence holds its prompt plus half its output on average over its output_len "
+                         "steps, so the tokens a running sequence holds, weighted by time, are "
+                         "sum(o * (p + o / 2)) / sum(o); vLLM seats kv_tokens / that; the gain is the ratio."))
             shown.append((got, exp))
 
     _run(body, "predict_gain(...)", timeout)
     if workload is not None:
-        PREDICTIONS["gain"] = shown[-1][0]
-        print(_show("vLLM's gain over Orca (Max), mean batched requests", shown[-1][0], shown[-1][1], 0.02, "x"))
+        _keep("gain", "vLLM's gain over Orca (Max), mean batched requests", *shown[-1], 0.02, "x")
     passed(f"predict_gain: within 2% of the model's gain on {len(cases)} workloads.")
 
 
@@ -437,19 +447,16 @@ def check_tensor_parallel(all_reduce_bytes_per_token: Callable, tp_step_time: Ca
                                                for k, v in zip(names, args)) + ")"
             got = learner_call(tp_step_time, *args, what=what)
             exp = ref_tp_step_time(*args)
-            title = f"{NAME}: {what} is off."
-            _number(title, got, "")
-            if not _close(got, exp, 0.01):
-                raise failure(title, expected=f"{exp * 1e3:.4f} ms (within 1%)", got=f"{got * 1e3:.4f} ms",
-                              hint=("each of n ranks computes 1/n of the step; then 2 * num_layers all-reduces, each "
-                                    "latency_s plus a ring's 2 (n - 1) / n of the step's batch * hidden_size * "
-                                    "dtype_bytes bytes at link_GBps (GB/s: 1e9 bytes a second)."))
+            _judge(f"{NAME}: {what} is off.", got, exp, 0.01, expected=f"{exp * 1e3:.4f} ms (within 1%)",
+                   got_as=lambda g: f"{g * 1e3:.4f} ms",
+                   hint=("each of n ranks computes 1/n of the step; then 2 * num_layers all-reduces, each "
+                         "latency_s plus a ring's 2 (n - 1) / n of the step's batch * hidden_size * "
+                         "dtype_bytes bytes at link_GBps (GB/s: 1e9 bytes a second)."))
             shown["step"] = (got, exp)
 
     _run(body, "all_reduce_bytes_per_token(...) / tp_step_time(...)", timeout)
     if shape is not None:
-        PREDICTIONS["all_reduce_bytes_per_token"] = shown["bytes"][0]
-        print(_show("all-reduce bytes per token", *shown["bytes"], 0, " B"))
+        _keep("all_reduce_bytes_per_token", "all-reduce bytes per token", *shown["bytes"], 0, " B")
     if split is not None:
         PREDICTIONS["tp_step_time"] = shown["step"][0]
         print(_show(f"decode step at N = {split[1]}", shown["step"][0] * 1e3, shown["step"][1] * 1e3, 0.01, " ms"))
@@ -461,6 +468,11 @@ def ref_break_even(verify_cost_ratio: float, k: int) -> float:
     from ..machine import break_even_acceptance
 
     return break_even_acceptance(verify_cost_ratio, k)
+
+
+def _break_even_close(got: float, exp: float) -> bool:
+    """Break-even acceptance's rule: 0 and inf exactly, anything else within 0.005 (absolute)."""
+    return got == exp if (math.isinf(exp) or exp == 0) else (not math.isinf(got) and abs(got - exp) <= 0.005)
 
 
 def check_break_even(break_even: Callable, this_machine: tuple | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -477,21 +489,17 @@ def check_break_even(break_even: Callable, this_machine: tuple | None = None, ti
             what = f"break_even(verify_cost_ratio={ratio}, k={k})"
             got = learner_call(break_even, ratio, k, what=what)
             exp = ref_break_even(ratio, k)
-            title = f"{NAME}: {what} is off."
-            _number(title, got, "")
-            ok = got == exp if (math.isinf(exp) or exp == 0) else (not math.isinf(got) and abs(got - exp) <= 0.005)
-            if not ok:
-                raise failure(title, expected=f"{_fmt(exp)} (within 0.005)", got=_fmt(got),
-                              hint=("find the acceptance a where 1 + a + a^2 + ... + a^k (the tokens a verifying step "
-                                    "yields) equals the ratio; 0 when the ratio is at most 1 (verifying costs nothing "
-                                    "extra); float('inf') when it is at least k + 1 (even a = 1 cannot pay)."))
+            _judge(f"{NAME}: {what} is off.", got, exp, 0.005, ok=_break_even_close, expected=f"{_fmt(exp)} (within 0.005)",
+                   hint=("find the acceptance a where 1 + a + a^2 + ... + a^k (the tokens a verifying step "
+                         "yields) equals the ratio; 0 when the ratio is at most 1 (verifying costs nothing "
+                         "extra); float('inf') when it is at least k + 1 (even a = 1 cannot pay)."))
             shown.append((got, exp))
 
     _run(body, "break_even(...)", timeout)
     if this_machine is not None:
-        PREDICTIONS["break_even"] = shown[-1][0]
-        print(_show(f"break-even acceptance (k = {this_machine[1]}, verify cost {this_machine[0]:.2f}x)",
-                    shown[-1][0], shown[-1][1], 0.005 / max(shown[-1][1], 1e-9) if shown[-1][1] else 0))
+        got, exp = shown[-1]
+        _keep("break_even", f"break-even acceptance (k = {this_machine[1]}, verify cost {this_machine[0]:.2f}x)",
+              got, exp, 0.005 / max(exp, 1e-9) if exp else 0)
     passed(f"break_even: right on {len(cases)} ratios and draft lengths (within 0.005, and 0 and inf at the ends).")
 
 

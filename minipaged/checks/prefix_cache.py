@@ -18,7 +18,7 @@ from ..block_allocator import BlockAllocator, OutOfBlocksError
 from ..block_table import BlockTable
 from ..parts import fork_table
 from ..prefix_cache import ROOT_HASH, PrefixCache, copy_on_write as ref_copy_on_write
-from ._delegation import guarded, run_guarded
+from ._delegation import guarded, refuse_reference, run_guarded
 from ._core import (
     Story,
     DEFAULT_TIMEOUT_S,
@@ -49,9 +49,8 @@ def _refuse_reference(cache_cls: Any = None, cow_fn: Any = None) -> None:
             raise CheckFailed(f"{NAME}: {getattr(cache_cls, '__name__', cache_cls)}'s {', '.join(own)} is minipaged's own "
                               "(minipaged.prefix_cache.PrefixCache). Write your own in the class cell above, run it, "
                               "then run this check again.")
-    if cow_fn is not None and getattr(cow_fn, "__wrapped__", cow_fn) is ref_copy_on_write:
-        raise CheckFailed(f"{NAME}: this is minipaged's own copy_on_write (minipaged.prefix_cache). Write yours in the "
-                          "cell above, run it, then run this check again.")
+    if cow_fn is not None:
+        refuse_reference(cow_fn, ref_copy_on_write, NAME, "copy_on_write (minipaged.prefix_cache)")
 
 
 # -- the hash chain ---------------------------------------------------------------------------
@@ -520,9 +519,7 @@ def _refuse_sharing(fork_fn: Any, free_fn: Any, cow_fn: Any) -> None:
 
     for fn, ref, what in ((fork_fn, ref_fork, "fork_table (minipaged.parts)"), (free_fn, ref_free, "free_table (minipaged.parts)"),
                           (cow_fn, ref_copy_on_write, "copy_on_write (minipaged.prefix_cache)")):
-        if getattr(fn, "__wrapped__", fn) is ref:
-            raise CheckFailed(f"{NAME}: this is minipaged's own {what}. Write yours in the cell above, run it, then "
-                              "run this check again.")
+        refuse_reference(fn, ref, NAME, what)
 
 
 class _Plugged:

@@ -38,7 +38,6 @@ from ._core import (
     describe_exception,
     failure,
     fmt_list,
-    is_stub,
     learner_call,
     not_implemented,
     passed,
@@ -47,7 +46,7 @@ from ._core import (
     run_with_time_limit,
     watching,
 )
-from ._delegation import guarded, refuse_package_class, refuse_package_function
+from ._delegation import guarded, refuse_package_class, refuse_package_function, refuse_reference_function
 from .block_table import _RecordingPool, fork_both, page_table_picture
 
 NAME = "09 speculative decoding"
@@ -175,12 +174,7 @@ def _proposer_cases(seed: int, runs: int) -> list:
 
 
 def _refuse_proposer(fn: Any) -> None:
-    if is_stub(fn):
-        raise not_implemented(getattr(fn, "__name__", "propose_ngram"))
-    if getattr(fn, "__wrapped__", fn) is ref_propose:
-        raise CheckFailed(f"{NAME}: this is minipaged's own propose_ngram (minipaged.spec_decode). Write yours in the cell "
-                          "above, run it, then run this check again.")
-    refuse_package_function(fn, NAME, "propose_ngram")
+    refuse_reference_function(fn, ref_propose, NAME, "propose_ngram", "minipaged.spec_decode")
 
 
 def check_proposer(propose_fn: Callable, seed: int = 0, runs: int = 300, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -383,38 +377,28 @@ class _Run(Story):
         self.truncate(i, r.num_tokens - d + kept, note=f"{kept} of {d} draft(s) kept")
 
 
-def _stories(cls, stats) -> None:
-    r = _Run(cls, 6, 4, "a rollback inside the last block keeps it", stats)
-    r.append(0, 6)
-    r.truncate(0, 5)
-    r = _Run(cls, 6, 4, "a rollback to a block boundary gives the emptied block back", stats)
-    r.append(0, 6)
-    r.truncate(0, 4)
-    r.append(0, 3)
-    r = _Run(cls, 8, 2, "a rollback over several blocks gives them back last block first", stats)
-    r.append(0, 3)
-    r.append(0, 5)
-    r.truncate(0, 3)
-    r.append(0, 4)
-    r = _Run(cls, 6, 4, "every draft accepted: truncate to the same length changes nothing", stats)
-    r.append(0, 7)
-    r.truncate(0, 7)
-    r = _Run(cls, 6, 2, "truncate(0) gives every block back", stats)
-    r.append(0, 5)
-    r.truncate(0, 0)
-    r.append(0, 1)
-    r = _Run(cls, 8, 4, "a forked table shares its blocks: a rollback drops only this table's reference", stats)
-    r.append(0, 6)
-    r.fork(0)
-    r.truncate(1, 3)
-    r.truncate(0, 2)
-    r.append(1, 4)
-    r = _Run(cls, 6, 4, "a rollback past the end or below 0 raises ValueError and changes nothing", stats)
-    r.append(0, 5)
-    r.misuse(0, 6)
-    r.misuse(0, -1)
-    r.truncate(0, 5)
+# The fixed stories, played before the random runs (short, so a failure is easy to read): the pool's blocks,
+# the block size, what the story shows, and its operations in order (a _Run method and its arguments).
+_STORIES = [
+    (6, 4, "a rollback inside the last block keeps it", [("append", 0, 6), ("truncate", 0, 5)]),
+    (6, 4, "a rollback to a block boundary gives the emptied block back",
+     [("append", 0, 6), ("truncate", 0, 4), ("append", 0, 3)]),
+    (8, 2, "a rollback over several blocks gives them back last block first",
+     [("append", 0, 3), ("append", 0, 5), ("truncate", 0, 3), ("append", 0, 4)]),
+    (6, 4, "every draft accepted: truncate to the same length changes nothing", [("append", 0, 7), ("truncate", 0, 7)]),
+    (6, 2, "truncate(0) gives every block back", [("append", 0, 5), ("truncate", 0, 0), ("append", 0, 1)]),
+    (8, 4, "a forked table shares its blocks: a rollback drops only this table's reference",
+     [("append", 0, 6), ("fork", 0), ("truncate", 1, 3), ("truncate", 0, 2), ("append", 1, 4)]),
+    (6, 4, "a rollback past the end or below 0 raises ValueError and changes nothing",
+     [("append", 0, 5), ("misuse", 0, 6), ("misuse", 0, -1), ("truncate", 0, 5)]),
+]
 
+
+def _stories(cls, stats) -> None:
+    for num_blocks, block_size, label, ops in _STORIES:
+        run = _Run(cls, num_blocks, block_size, label, stats)
+        for op, *args in ops:
+            getattr(run, op)(*args)
 
 def check_truncate(table_cls: type, seed: int = 0, runs: int = 30, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """``truncate(num_tokens)`` on your block table, side by side with minipaged's rollback."""

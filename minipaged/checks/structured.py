@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 
 from . import _delegation
-from ._core import CheckFailed, DEFAULT_TIMEOUT_S, failure, is_stub, learner_call, not_implemented, passed, run_with_time_limit
-from ._delegation import guarded, refuse_package_function
+from ._core import CheckFailed, DEFAULT_TIMEOUT_S, failure, learner_call, passed, run_with_time_limit
+from ._delegation import guarded, refuse_reference_function
 
 NAME = "11 structured outputs"
 WORKBOOK = "11"
@@ -215,12 +215,7 @@ def _why(got: torch.Tensor, exp: torch.Tensor, vocab: list, choices: list, prefi
 def _refuse(fn: Any) -> None:
     from ..structured_output import choice_mask as ref
 
-    if is_stub(fn):
-        raise not_implemented(getattr(fn, "__name__", "choice_mask"))
-    if getattr(fn, "__wrapped__", fn) is ref:
-        raise CheckFailed(f"{NAME}: this is minipaged's own choice_mask (minipaged.structured_output). Write yours in "
-                          "the cell above, run it, then run this check again.")
-    refuse_package_function(fn, NAME, "choice_mask")
+    refuse_reference_function(fn, ref, NAME, "choice_mask", "minipaged.structured_output")
 
 
 def check_choice_mask(choice_mask: Callable, seed: int = 0, runs: int = 16, timeout: float = DEFAULT_TIMEOUT_S) -> None:
