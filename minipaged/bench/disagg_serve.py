@@ -402,14 +402,18 @@ def statement(res: dict) -> str:
             f"the design's. What the run does show: " + "; ".join(shown) + "." + why_faster)
 
 
-def format_result(res: dict) -> str:
+def _load_line(res: dict) -> str:
     st = res["runs"][COLOCATED]["settings"]
-    head = (f"{st['num_requests']} requests ({st['dataset']}, scale {st['scale']}, prompts <= {st['max_prompt']}, "
+    return (f"{st['num_requests']} requests ({st['dataset']}, scale {st['scale']}, prompts <= {st['max_prompt']}, "
             f"{st['max_output']} output tokens at most, EOS ignored, greedy; seed {st['seed']}), {st['arrival']} arrivals "
             f"at {st['rate']} req/s, the same for both; {res['model']}; {res['machine']['cpus']} CPU cores")
-    stop = (f"processes stopped: {len(res['processes'])}, none left: {res['all_stopped']}, ports free: {res['ports_free']}; "
-            f"the whole run {res['timings_s']['whole_run']:.0f} s")
-    return "\n\n".join([head, format_table(res), statement(res), stop])
+
+
+def format_result(res: dict) -> str:
+    """What the command prints: the load, the table, the statement, and what was stopped."""
+    stopped = f"processes stopped: {len(res['processes'])}, none left: {res['all_stopped']}, ports free: {res['ports_free']}"
+    return "\n\n".join([_load_line(res), format_table(res), statement(res),
+                         f"{stopped}; the whole run {res['timings_s']['whole_run']:.0f} s"])
 
 
 def command_of(res: dict, json_path: str = "docs/figures/disagg_serve.json") -> str:

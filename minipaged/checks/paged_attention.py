@@ -16,14 +16,7 @@ import torch
 
 from ..attention.reference import gather_kv as ref_gather_kv
 from ..attention.reference import paged_attention as ref_paged_attention
-from ._core import (
-    DEFAULT_TIMEOUT_S,
-    CheckFailed,
-    failure,
-    fmt_list,
-    learner_call,
-    passed,
-)
+from ._core import DEFAULT_TIMEOUT_S, CheckFailed, failure, fmt_list, learner_call, passed
 from ._delegation import refuse_package_function, run_guarded
 
 NAME = "04 paged attention"
