@@ -157,7 +157,8 @@ class _Run:
                 "a list of slots), which the fork never set. Work from self.blocks and self.num_tokens alone.")
 
     # -- state -----------------------------------------------------------------------------
-    def compare(self, after: str, hint: str = "", i_focus: int | None = None) -> None:
+    def compare(self, after: str, hint: str = "", i_focus: int | None = None, op: str = "") -> None:
+        """Every table's blocks and num_tokens, then the pool; ``op`` "free" (t_{i_focus} was freed) picks its hints."""
         order = list(range(len(self.ref)))
         if i_focus is not None:
             order.remove(i_focus)
@@ -172,8 +173,16 @@ class _Run:
                 raise self.fail(f"t{i}.blocks is not a list after {after}.", expected=f"a list of block ids, {r.blocks}",
                                 got=repr(got_blocks), hint="keep self.blocks as a plain list of physical block ids.") from None
             if got_list != r.blocks:
-                fork_h = self.fork_hint(i, "blocks") if len(got_list) != len(r.blocks) else ""
-                if fork_h:
+                fork_h = self.fork_hint(i, "blocks") if len(got_list) != len(r.blocks) and op != "free" else ""
+                if op == "free" and i == i_focus and not r.blocks:
+                    gave, listed = sorted(self.my_alloc.freed), sorted(got_list)
+                    h = (f"after free() the table holds nothing: set self.blocks = [] once its blocks are given back. A "
+                         "table that still lists freed blocks would free them again, or map positions into blocks another "
+                         "sequence now holds.")
+                    if gave != listed:
+                        h += (f" Give each block back first, with allocator.free(b) once per block: your free() gave back "
+                              f"{fmt_list(gave)}, the table listed {fmt_list(listed)}.")
+                elif fork_h:
                     h = fork_h
                 elif len(got_list) > len(r.blocks) and r.num_tokens % self.bs == 0:
                     h = (f"t{i} holds {len(got_list)} blocks for {r.num_tokens} tokens; {r.num_tokens} tokens of block size {self.bs} "
@@ -199,7 +208,10 @@ class _Run:
             if got_tokens != r.num_tokens:
                 raise self.fail(f"t{i}.num_tokens differs after {after}.",
                                 expected=f"{r.num_tokens}", got=f"{got_tokens!r}",
-                                hint=hint or self.fork_hint(i, "num_tokens") or
+                                hint=("after free() the table holds no tokens: set self.num_tokens = 0 as well as emptying "
+                                      "self.blocks (a reused table would otherwise count its old tokens)."
+                                      if op == "free" and i == i_focus else "")
+                                or hint or self.fork_hint(i, "num_tokens") or
                                 "append_tokens(n) adds n to num_tokens (after taking the blocks); free() sets it back to 0.")
         mine_rc, ref_rc = parts.ref_counts(self.my_alloc), parts.ref_counts(self.ref_alloc)
         if self.my_alloc.num_free_blocks != self.ref_alloc.num_free_blocks or mine_rc != ref_rc:
@@ -376,10 +388,10 @@ class _Run:
         note = f"; blocks {shared} stay held by another table" if shared else ""
         self.log.add(f"{what}  # gives back {held}{note}")
         self.stats["ops"] += 1
-        self.compare(what, i_focus=i, hint=(
+        self.compare(what, i_focus=i, op="free", hint=(
             f"free() must hand each of the table's blocks ({held}) back with allocator.free(b), once per block, then empty "
             "self.blocks and set num_tokens to 0. Clearing the list alone leaks the blocks: the pool never sees them again."
-            if not shared else ""))
+            if not shared and sorted(order) != sorted(held) else ""))
 
     def fork(self, i: int) -> None:
         """t_new = parts.fork_table(t_i) on both sides: a second table sharing every block of t_i."""

@@ -477,6 +477,7 @@ def check_copy_on_write(cow_fn: Callable, seed: int = 0, runs: int = 40, timeout
         for (ti, start, end) in writes:
             what = f"copy_on_write({'parent' if ti == 0 else f'children[{ti - 1}]'}, {start}, {end})"
             state["current"] = f"{what}  ({label})"
+            rc_before = {b: rp.ref_count(b) for b in rt[ti].blocks}
             try:
                 exp = ref_copy_on_write(rt[ti], start, end)
             except OutOfBlocksError:
@@ -514,6 +515,15 @@ def check_copy_on_write(cow_fn: Callable, seed: int = 0, runs: int = 40, timeout
                     hint = ("the write touches a block that another table shares (ref count > 1): writing into it "
                             "would change the other sequence too. Take a fresh block, put it in the table in place of "
                             "the shared one, and free() the shared one (its other holders keep it).")
+                elif isinstance(got_l, list) and len(got_l) > len(exp) and [
+                        p for p in got_l if isinstance(p, tuple) and p and p[0] not in {q[0] for q in exp}
+                        and rc_before.get(p[0], 0) > 1]:
+                    extra = [p[0] for p in got_l if isinstance(p, tuple) and p and p[0] not in {q[0] for q in exp}
+                             and rc_before.get(p[0], 0) > 1]
+                    hint = (f"you copied shared block(s) {extra} that positions {start}..{end - 1} do not fall in: only "
+                            f"the blocks the write touches (blocks[{start} // block_size] ... blocks[({end} - 1) // "
+                            "block_size], those the table has) are replaced; a shared block the write does not touch "
+                            "stays shared.")
                 elif isinstance(got_l, list) and len(got_l) > len(exp):
                     hint = ("you copied a block that needs no copy: only blocks with ref count > 1 are replaced; "
                             "a block this table holds alone is written in place.")
