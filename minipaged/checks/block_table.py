@@ -127,27 +127,25 @@ class _Run:
         t = self._replica(i)
         if t is None:
             return ""
-        if method in ("blocks", "num_tokens"):  # the state an append left: the replica's is right
-            ok = (len(list(getattr(t, "blocks", []))) == len(self.ref[i].blocks) if method == "blocks"
-                  else getattr(t, "num_tokens", None) == self.ref[i].num_tokens)
-            got = None
+        if method == "blocks":  # the state an append left: the replica's is right
+            ok = len(list(getattr(t, "blocks", []))) == len(self.ref[i].blocks)
+        elif method == "num_tokens":
+            ok = getattr(t, "num_tokens", None) == self.ref[i].num_tokens
         else:
             try:
                 got = learner_call(getattr(t, method), *args, what=f"{method}{args}")
             except CheckFailed:
                 return ""
-        if method in ("blocks", "num_tokens"):
-            pass
-        elif method == "slot_mapping":
-            start, end = args
-            blocks = list(getattr(t, "blocks", []))
-            try:
-                ok = isinstance(got, torch.Tensor) and got.long().tolist() == [
-                    blocks[p // self.bs] * self.bs + p % self.bs for p in range(start, end)]
-            except (IndexError, TypeError):
-                ok = False
-        else:
-            ok = got == getattr(self.ref[i], method)(*args) if method == "blocks_needed" else False
+            if method == "slot_mapping":
+                start, end = args
+                blocks = list(getattr(t, "blocks", []))
+                try:
+                    ok = isinstance(got, torch.Tensor) and got.long().tolist() == [
+                        blocks[p // self.bs] * self.bs + p % self.bs for p in range(start, end)]
+                except (IndexError, TypeError):
+                    ok = False
+            else:  # blocks_needed
+                ok = got == self.ref[i].blocks_needed(*args) and not isinstance(got, bool)
         if not ok:
             return ""
         what = {"blocks": "as many blocks as the reference", "num_tokens": "the right num_tokens"}.get(method, f"{method} right")
@@ -259,8 +257,11 @@ class _Run:
                          f"tokens need ceil({total} / {self.bs}) = {-(-total // self.bs)} blocks in all, so {exp} more",
                 got=f"{got!r}",
                 hint=fork_h or "blocks in all = ceil((num_tokens + n) / block_size), then subtract the blocks already held (never "
-                     "below 0). Watch the exact boundary: 16 tokens with block size 16 is 1 block, not 2. -(-x // b) is "
-                     "ceil(x / b) on ints.",
+                     "below 0). " + ("Watch the exact boundary: 0 tokens need no block at all. " if total == 0 else
+                                     f"Watch the exact boundary: {total} tokens in blocks of {self.bs} fill exactly "
+                                     f"{total // self.bs} block(s), as 16 tokens in blocks of 16 fill one. " if total % self.bs == 0
+                                     else f"Round UP: {total} tokens leave the last block partly filled, and it is still a "
+                                          "whole block. ") + "-(-x // b) is ceil(x / b) on ints.",
             )
 
     def append(self, i: int, n: int) -> None:
