@@ -203,9 +203,13 @@ RULES = [
     # 08: beam search on the learner's fork, free and copy-on-write (LLM.beam_search, side by side)
     Rule("08_prefix_caching", "each block's ref count goes up by one", f"{PC}:check_beam_search", "fork_without_incref",
          "sharing"),
+    Rule("08_prefix_caching", "each block's ref count goes up by one", f"{PC}:check_beam_search",
+         "beam_fork_increfs_twice", "sharing"),
     Rule("08_prefix_caching", "in a list of its own", f"{PC}:check_beam_search", "fork_shares_the_list", "sharing"),
     Rule("08_prefix_caching", "and the parent's `num_tokens`", f"{PC}:check_beam_search", "fork_forgets_num_tokens"),
     Rule("08_prefix_caching", "gives every block back **at once**", f"{PC}:check_beam_search", "free_table_late", "sharing"),
+    Rule("08_prefix_caching", "once for each: the blocks its siblings share stay with them", f"{PC}:check_beam_search",
+         "beam_free_skips_first_block", "sharing"),
     Rule("08_prefix_caching", "then the table holds nothing", f"{PC}:check_beam_search", "free_table_keeps_blocks_listed"),
     Rule("08_prefix_caching", "copies only the last, partly filled block a beam writes into", f"{PC}:check_beam_search",
          "beam_cow_copies_every_block", "sharing"),

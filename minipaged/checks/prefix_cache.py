@@ -626,8 +626,33 @@ class _Plugged:
             self.error = self.error or e
             raise
 
+    @staticmethod
+    def _counts(table: Any, blocks: list) -> dict:
+        return {b: table.allocator.ref_count(b) for b in set(blocks)}
+
+    def _refuse_counts(self, title: str, hint: str) -> None:
+        self.error = self.error or failure(f"{NAME}: at step {self.step}, {title}", hint=hint)
+        raise self.error
+
     def fork_table(self, table: Any) -> Any:
+        held = list(table.blocks)
+        before = self._counts(table, held)
         child = self._call("fork_table", table)
+        after = self._counts(table, held)
+        twice = sorted(b for b in before if after[b] - before[b] > held.count(b))
+        missed = sorted(b for b in before if after[b] - before[b] < held.count(b))
+        if twice:  # (a fork that raises none is seen by the invariants after the step)
+            self._refuse_counts(
+                f"fork_table(table) of a table of blocks {held} raised the ref count of block(s) {twice} by more than one "
+                f"(from {fmt_list(before[b] for b in twice)} to {fmt_list(after[b] for b in twice)}).",
+                "the child is one more holder of each block: incref each block of the parent exactly once "
+                "(table.allocator.incref(b) for b in table.blocks), and nothing else.")
+        if missed and len(missed) < len(before):
+            self._refuse_counts(
+                f"fork_table(table) of a table of blocks {held} raised the ref count of some of its blocks, but not of "
+                f"{missed}.",
+                "the child shares EVERY block of the parent, so each one gets one more holder: incref each block of "
+                "table.blocks, the first and the last included.")
         if child is table or not hasattr(child, "blocks"):
             self.error = self.error or failure(
                 f"{NAME}: at step {self.step}, fork_table(table) returned {type(child).__name__}"
@@ -641,7 +666,23 @@ class _Plugged:
 
     def free_table(self, table: Any) -> None:
         held = list(table.blocks)
+        before = self._counts(table, held)
         self._call("free_table", table)
+        after = self._counts(table, held)
+        twice = sorted(b for b in before if before[b] - after[b] > held.count(b))
+        kept = sorted(b for b in before if before[b] - after[b] < held.count(b))
+        if twice:
+            self._refuse_counts(
+                f"free_table(table) of a beam that fell out (blocks {held}) lowered the ref count of block(s) {twice} by "
+                f"more than one (from {fmt_list(before[b] for b in twice)} to {fmt_list(after[b] for b in twice)}).",
+                "the beam is one holder of each of its blocks: free each block of the table exactly once "
+                "(table.allocator.free(b)); its siblings keep theirs.")
+        if kept and len(kept) < len(before):  # (a free_table that frees none is seen by the invariants after the step)
+            self._refuse_counts(
+                f"free_table(table) of a beam that fell out (blocks {held}) gave back some of its blocks, but not "
+                f"{kept}.",
+                "give back EVERY block the table holds, the first and the last included: table.allocator.free(b) once "
+                "for each b in table.blocks, before you empty the list.")
         if list(table.blocks) or table.num_tokens:
             self.error = self.error or failure(
                 f"{NAME}: at step {self.step}, after free_table(table) of a beam that fell out (blocks {held}), the table "
