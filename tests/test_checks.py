@@ -5,7 +5,9 @@ message it is meant to get. The checks are called directly (no notebooks): this 
 A wrong answer is a small file in tests/wrong_answers/NN_workbook/ with CHECK
 ("module:function"), EXPECT (phrases the message must contain, case-insensitive), optionally
 UNEXPECTED (phrases it must not contain: a hint about the wrong method), and the answer: the names starting with My/my_ (or an ``answer()`` function returning the
-arguments). Files starting with "_" are shared helpers, not wrong answers. Workbook 07's
+arguments). In the workbooks of HINTED, each also declares HINT: a phrase the message's hint (the
+text after "Hint: ") must contain, and that no other wrong answer's hint of that workbook may
+(a hint names the mistake made, never another), or None for a refusal that carries no hint. Files starting with "_" are shared helpers, not wrong answers. Workbook 07's
 wrong answers name a ``build_engine`` and how the learner's folder differs (DROP, EDIT).
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import threading
@@ -59,6 +62,33 @@ def _load(path: Path):
         return mod
     finally:
         sys.path.remove(str(path.parent))
+
+
+# Workbooks whose every wrong answer declares the hint it must get (HINT): issue 40, hints that name the cause.
+HINTED = ("02_block_allocator", "03_block_table", "08_prefix_caching")
+
+
+def _declared_hints(stem: str) -> dict:
+    """{wrong answer: its HINT} for a workbook of HINTED."""
+    return {p.stem: _load(p).HINT for p in sorted((WRONG / stem).glob("*.py")) if not p.name.startswith("_")}
+
+
+def assert_declared_hint(path: Path, mod, msg: str) -> None:
+    """The hint the message prints is the one ``path`` declares (HINT), and names no other wrong answer's mistake."""
+    if path.parent.name not in HINTED:
+        return
+    assert hasattr(mod, "HINT"), f"{path.name}: declare HINT, the phrase its hint must contain (None: no hint)"
+    found = re.split(r"(?m)^Hint: ", msg, maxsplit=1)
+    hint = found[1] if len(found) == 2 else None
+    if mod.HINT is None:
+        assert hint is None, f"{path.name} declares no hint, but the message gives one:\n\n{msg}"
+        return
+    assert hint is not None, f"{path.name}: the message has no hint; it should say {mod.HINT!r}:\n\n{msg}"
+    assert mod.HINT.lower() in hint.lower(), f"{path.name}: the hint is not the declared one ({mod.HINT!r}):\n\n{hint}"
+    others = {name: h for name, h in _declared_hints(path.parent.name).items()
+              if name != path.stem and h and h.lower() not in mod.HINT.lower()}
+    named = [f"{name} ({h!r})" for name, h in others.items() if h.lower() in hint.lower()]
+    assert not named, f"{path.name}: the hint names another mistake: {named}:\n\n{hint}"
 
 
 def _answer(mod) -> tuple:
@@ -124,6 +154,19 @@ def test_wrong_answer_is_rejected(path: Path, tmp_path: Path, request) -> None:
     assert not missing, f"{path.name}: the message lacks {missing}:\n\n{msg}"
     unwanted = [e for e in getattr(mod, "UNEXPECTED", []) if e.lower() in msg.lower()]
     assert not unwanted, f"{path.name}: the message should not say {unwanted}:\n\n{msg}"
+    assert_declared_hint(path, mod, msg)
+
+
+def test_every_hinted_wrong_answer_declares_its_own_hint() -> None:
+    """Issue 40: in 02, 03 and 08 every wrong answer declares the hint it must get (tests/test_rules.py and the test
+    above check it is the one printed), and no two declare the same: each names its own mistake."""
+    for stem in HINTED:
+        hints = _declared_hints(stem)
+        for name, h in hints.items():
+            assert h is None or (isinstance(h, str) and h.strip()), f"{stem}/{name}.py: HINT is a phrase or None"
+        phrases = [h.lower() for h in hints.values() if h]
+        dup = sorted({h for h in phrases if phrases.count(h) > 1})
+        assert not dup, f"{stem}: two wrong answers declare the same hint {dup}: make each name its own mistake"
 
 
 def test_every_workbook_has_three_wrong_answers() -> None:

@@ -29,7 +29,7 @@ from minipaged.checks import CheckFailed, CheckTimeout, NotImplementedYet  # noq
 from minipaged.checks._workbooks import run_workbook_cells  # noqa: E402
 
 from rules_table import NOT_A_RULE, RULES, RUN, Rule  # noqa: E402
-from test_checks import WRONG, _answer, _load  # noqa: E402
+from test_checks import WRONG, _answer, _load, assert_declared_hint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
@@ -90,6 +90,7 @@ def test_wrong_answer_fails_its_check_with_its_message(rule: Rule) -> None:
     assert not missing, f"{rule.wrong}: the message lacks {missing}:\n\n{info.value}"
     unwanted = [e for e in getattr(mod, "UNEXPECTED", []) if e.lower() in msg]
     assert not unwanted, f"{rule.wrong}: the message should not say {unwanted}:\n\n{info.value}"
+    assert_declared_hint(WRONG / rule.workbook / f"{rule.wrong}.py", mod, str(info.value))
 
 
 _SOLUTION_ARGS = {

@@ -45,6 +45,9 @@ class _Run:
         self.current = f"{cls.__name__}(num_blocks={num_blocks}, block_size={block_size})"
         self.ref = BlockAllocator(num_blocks, block_size)
         self.ref_free_order: deque = deque(range(num_blocks))  # the reference's free list, followed from outside
+        # The free lists two queue mistakes would keep (each falsified as soon as it predicts another block than the
+        # learner's, who matched the reference so far): allocate() from the back, or free() to the front.
+        self.wrong_orders: dict = {"takes_back": deque(range(num_blocks)), "frees_front": deque(range(num_blocks))}
         self.mine = self.call(cls, num_blocks, block_size, what=self.current)
         self.held: list[int] = []  # one entry per reference a "block table" holds
         self.names: dict[int, str] = {}
@@ -168,17 +171,27 @@ class _Run:
                                 got=f"it returned {got_b!r}" + (" (a block that is in use)" if isinstance(got_b, int) else ""),
                                 hint=hint)
             if not isinstance(err, MemoryError):
+                if isinstance(err, IndexError):
+                    hint = ("the IndexError came from taking a block off an empty free list (popleft() or pop() of an "
+                            "empty deque or list): check for an empty free list first and raise OutOfBlocksError "
+                            "yourself (from minipaged import OutOfBlocksError); nobody upstream catches IndexError.")
+                elif isinstance(err, ValueError):
+                    hint = (f"a full pool is not a misuse of a block: {type(err).__name__} (a ValueError, like "
+                            "BlockAllocatorError) is for free() or incref() of a free block. Raise OutOfBlocksError "
+                            "when the free list is empty: it is the one error the scheduler catches, to preempt a sequence.")
+                else:
+                    hint = (f"raise OutOfBlocksError (from minipaged import OutOfBlocksError), not {type(err).__name__}, "
+                            "when the free list is empty: it is the one error the scheduler catches, to preempt a sequence.")
                 raise self.fail(f"{what} on a full pool raised the wrong exception.",
                                 expected="OutOfBlocksError (a MemoryError)",
-                                got=f"{type(err).__name__}: {err}",
-                                hint="check for an empty free list first and raise OutOfBlocksError yourself "
-                                     "(popleft() on an empty deque raises IndexError, which nobody upstream catches).")
+                                got=f"{type(err).__name__}: {err}", hint=hint)
             self.compare("allocate() on a full pool (nothing may change)", op="misuse")
             return
         free_before = list(self.ref_free_order)
         exp = self.ref.allocate()
         self.ref_free_order.remove(exp)
         got = self.call(self.mine.allocate, what="a.allocate()")
+        predicted = {k: (q[-1] if k == "takes_back" else q[0]) for k, q in self.wrong_orders.items() if q}
         self.log.add(f"{var} = a.allocate()  # -> {exp} expected")
         self.names[len(self.names)] = var
         if isinstance(got, bool) or not isinstance(got, int):
@@ -190,6 +203,14 @@ class _Run:
             if 0 <= got < self.num_blocks and self.ref.ref_count(got) > 0 and got != exp:
                 hint = (f"block {got} is in use (ref count {self.ref.ref_count(got)} in the reference): it was handed out twice. "
                         "A block must leave the free list when allocated and come back only when its ref count drops to 0.")
+            elif got in free_before and [k for k, v in predicted.items() if v == got] == ["takes_back"]:
+                hint = (f"block {got} is the BACK of the free list: your allocate() takes the block at the back (a "
+                        "list's pop(), or deque.pop()). Take the FRONT instead (deque.popleft()): the free list is a "
+                        "queue, so the block freed longest ago is reused first.")
+            elif got in free_before and [k for k, v in predicted.items() if v == got] == ["frees_front"]:
+                hint = (f"block {got} was freed most recently, and your allocate() handed it out first: your free() puts "
+                        "a block that became free at the FRONT of the free list (appendleft, or insert(0, b)). Put it at "
+                        "the BACK (deque.append()): the block freed last is reused last.")
             elif got in free_before:
                 hint = ("the right block is the FRONT of the free list. The free list is a queue: allocate() takes from the "
                         "front (deque.popleft()), free() puts a block that became free at the BACK (deque.append()). "
@@ -198,6 +219,11 @@ class _Run:
                 hint = f"block ids are 0..{self.num_blocks - 1}, and a fresh pool hands them out in that order."
             raise self.fail("a.allocate() returned a different block.", expected=f"block {exp}", got=f"block {got}",
                             picture=pic, hint=hint)
+        for k in list(self.wrong_orders):  # a mistake that would have handed out another block is not the learner's
+            if predicted.get(k) == exp:
+                self.wrong_orders[k].remove(exp)
+            else:
+                del self.wrong_orders[k]
         self.held.append(exp)
         self.stats["ops"] += 1
         self.compare(f"a.allocate() -> {exp}", op="allocate")
@@ -221,6 +247,8 @@ class _Run:
         self.ref.free(b)
         if self.ref.ref_count(b) == 0:
             self.ref_free_order.append(b)
+            for k, q in self.wrong_orders.items():
+                q.appendleft(b) if k == "frees_front" else q.append(b)
 
     def incref(self, rng: random.Random) -> None:
         b = rng.choice(sorted(set(self.held)))

@@ -38,6 +38,7 @@ from ._core import (
 from ._delegation import refuse_package_class, run_guarded
 
 NAME = "03 block table"
+LONG = 8192  # SmolLM2's max_model_len (max_position_embeddings): the longest sequence a table serves there
 MUST_WRITE = ("blocks_needed", "append_tokens", "slot_mapping", "free")
 
 
@@ -80,6 +81,7 @@ class _Run:
                         f"pool = BlockAllocator(num_blocks={num_blocks}, block_size={block_size})"])
         self.ref: list[BlockTable | None] = []
         self.mine: list = []
+        self.forked: set = set()  # tables made by parts.fork_table: their blocks and num_tokens were set from outside
         for i in range(num_tables):
             self.ref.append(BlockTable(self.ref_alloc))
             self.mine.append(self.call(cls, self.my_alloc, what=f"{cls.__name__}(pool)"))
@@ -104,8 +106,57 @@ class _Run:
     def fail(self, title: str, **kw) -> CheckFailed:
         return failure(f"{NAME}: {title}", done=self.story(), **kw)
 
+    # -- a forked table's state was set from outside its methods ----------------------------------
+    def _replica(self, i: int):
+        """A table of the learner's with t_i's num_tokens, reached through its own append_tokens on a scratch pool;
+        None when that fails (then the fork is not shown to be the cause)."""
+        n = self.ref[i].num_tokens
+        try:
+            t = learner_call(self.cls, BlockAllocator(-(-n // self.bs) + 4, self.bs), what=f"{self.cls.__name__}(pool)")
+            if n:
+                learner_call(t.append_tokens, n, what=f"append_tokens({n})")
+            return t
+        except CheckFailed:
+            return None
+
+    def fork_hint(self, i: int, method: str, *args) -> str:
+        """The fork hint, when t_i is a fork and a table that grew to the same tokens by its own appends answers
+        ``method(*args)`` right (its own blocks' slots for slot_mapping): the state the fork did not set is the cause."""
+        if i not in self.forked:
+            return ""
+        t = self._replica(i)
+        if t is None:
+            return ""
+        if method == "blocks":  # the state an append left: the replica's is right
+            ok = len(list(getattr(t, "blocks", []))) == len(self.ref[i].blocks)
+        elif method == "num_tokens":
+            ok = getattr(t, "num_tokens", None) == self.ref[i].num_tokens
+        else:
+            try:
+                got = learner_call(getattr(t, method), *args, what=f"{method}{args}")
+            except CheckFailed:
+                return ""
+            if method == "slot_mapping":
+                start, end = args
+                blocks = list(getattr(t, "blocks", []))
+                try:
+                    ok = isinstance(got, torch.Tensor) and got.long().tolist() == [
+                        blocks[p // self.bs] * self.bs + p % self.bs for p in range(start, end)]
+                except (IndexError, TypeError):
+                    ok = False
+            else:  # blocks_needed
+                ok = got == self.ref[i].blocks_needed(*args) and not isinstance(got, bool)
+        if not ok:
+            return ""
+        what = {"blocks": "as many blocks as the reference", "num_tokens": "the right num_tokens"}.get(method, f"{method} right")
+        return (f"t{i} was made by parts.fork_table, which builds a new table and sets only its blocks and num_tokens. "
+                f"A table that reached the same {self.ref[i].num_tokens} tokens through its own append_tokens has "
+                f"{what}; the fork has not: your table uses something else that append_tokens keeps (a count, "
+                "a list of slots), which the fork never set. Work from self.blocks and self.num_tokens alone.")
+
     # -- state -----------------------------------------------------------------------------
-    def compare(self, after: str, hint: str = "", i_focus: int | None = None) -> None:
+    def compare(self, after: str, hint: str = "", i_focus: int | None = None, op: str = "") -> None:
+        """Every table's blocks and num_tokens, then the pool; ``op`` "free" (t_{i_focus} was freed) picks its hints."""
         order = list(range(len(self.ref)))
         if i_focus is not None:
             order.remove(i_focus)
@@ -120,13 +171,32 @@ class _Run:
                 raise self.fail(f"t{i}.blocks is not a list after {after}.", expected=f"a list of block ids, {r.blocks}",
                                 got=repr(got_blocks), hint="keep self.blocks as a plain list of physical block ids.") from None
             if got_list != r.blocks:
-                if len(got_list) > len(r.blocks):
+                fork_h = self.fork_hint(i, "blocks") if len(got_list) != len(r.blocks) and op != "free" else ""
+                if op == "free" and i == i_focus and not r.blocks:
+                    gave, listed = sorted(self.my_alloc.freed), sorted(got_list)
+                    h = (f"after free() the table holds nothing: set self.blocks = [] once its blocks are given back. A "
+                         "table that still lists freed blocks would free them again, or map positions into blocks another "
+                         "sequence now holds.")
+                    if gave != listed:
+                        h += (f" Give each block back first, with allocator.free(b) once per block: your free() gave back "
+                              f"{fmt_list(gave)}, the table listed {fmt_list(listed)}.")
+                elif fork_h:
+                    h = fork_h
+                elif len(got_list) > len(r.blocks) and r.num_tokens % self.bs == 0:
                     h = (f"t{i} holds {len(got_list)} blocks for {r.num_tokens} tokens; {r.num_tokens} tokens of block size {self.bs} "
                          f"need ceil({r.num_tokens} / {self.bs}) = {len(r.blocks)}. Is your block count off by one when the tokens "
                          "end exactly at a block boundary? -(-total // block_size) rounds up without that mistake.")
+                elif len(got_list) > len(r.blocks):
+                    h = (f"t{i} holds {len(got_list)} blocks for {r.num_tokens} tokens; {r.num_tokens} tokens of block size {self.bs} "
+                         f"need ceil({r.num_tokens} / {self.bs}) = {len(r.blocks)}. append_tokens(n) takes exactly "
+                         "blocks_needed(n) blocks: the room left in the last, partly filled block is used first.")
                 elif len(got_list) < len(r.blocks):
                     h = (f"t{i} holds too few blocks: {r.num_tokens} tokens need ceil({r.num_tokens} / {self.bs}) = {len(r.blocks)} "
                          "blocks of the pool. Round UP: a partly filled block is still a whole block.")
+                elif sorted(got_list) == sorted(r.blocks):
+                    h = (f"t{i} holds the right blocks in another order. self.blocks lists them in LOGICAL order: block i "
+                         "holds positions i * block_size ... (i + 1) * block_size - 1, so the new blocks go at the END "
+                         "(self.blocks.extend(new)), after the ones the table already holds.")
                 else:
                     h = "take new blocks from the allocator in order (parts.allocate_many(allocator, n), or allocator.allocate() n times) and extend self.blocks."
                 raise self.fail(f"t{i}'s blocks differ after {after}.",
@@ -136,7 +206,11 @@ class _Run:
             if got_tokens != r.num_tokens:
                 raise self.fail(f"t{i}.num_tokens differs after {after}.",
                                 expected=f"{r.num_tokens}", got=f"{got_tokens!r}",
-                                hint=hint or "append_tokens(n) adds n to num_tokens (after taking the blocks); free() sets it back to 0.")
+                                hint=("after free() the table holds no tokens: set self.num_tokens = 0 as well as emptying "
+                                      "self.blocks (a reused table would otherwise count its old tokens)."
+                                      if op == "free" and i == i_focus else "")
+                                or hint or self.fork_hint(i, "num_tokens") or
+                                "append_tokens(n) adds n to num_tokens (after taking the blocks); free() sets it back to 0.")
         mine_rc, ref_rc = parts.ref_counts(self.my_alloc), parts.ref_counts(self.ref_alloc)
         if self.my_alloc.num_free_blocks != self.ref_alloc.num_free_blocks or mine_rc != ref_rc:
             leaked = [b for b in range(self.ref_alloc.num_blocks) if mine_rc[b] > ref_rc[b]]
@@ -176,13 +250,18 @@ class _Run:
         if got != exp or isinstance(got, bool):
             r = self.ref[i]
             total = r.num_tokens + n
+            fork_h = self.fork_hint(i, "blocks_needed", n)
             raise self.fail(
                 f"t{i}.blocks_needed({n}) differs.",
                 expected=f"{exp}: t{i} holds {_n(len(r.blocks), 'block')} for {_n(r.num_tokens, 'token')}; {r.num_tokens} + {n} = {total} "
                          f"tokens need ceil({total} / {self.bs}) = {-(-total // self.bs)} blocks in all, so {exp} more",
                 got=f"{got!r}",
-                hint="blocks in all = ceil((num_tokens + n) / block_size), then subtract the blocks already held (never below 0). "
-                     "Watch the exact boundary: 16 tokens with block size 16 is 1 block, not 2. -(-x // b) is ceil(x / b) on ints.",
+                hint=fork_h or "blocks in all = ceil((num_tokens + n) / block_size), then subtract the blocks already held (never "
+                     "below 0). " + ("Watch the exact boundary: 0 tokens need no block at all. " if total == 0 else
+                                     f"Watch the exact boundary: {total} tokens in blocks of {self.bs} fill exactly "
+                                     f"{total // self.bs} block(s), as 16 tokens in blocks of 16 fill one. " if total % self.bs == 0
+                                     else f"Round UP: {total} tokens leave the last block partly filled, and it is still a "
+                                          "whole block. ") + "-(-x // b) is ceil(x / b) on ints.",
             )
 
     def append(self, i: int, n: int) -> None:
@@ -243,9 +322,22 @@ class _Run:
                             expected="dtype torch.int64", got=str(got.dtype),
                             hint="use integer ops: // and %, not /.")
         if tuple(got.shape) != tuple(exp.shape):
+            h = self.fork_hint(i, "slot_mapping", start, end)
+            n_got = got.shape[0] if got.dim() == 1 else None
+            if h:
+                pass
+            elif n_got is not None and abs(n_got - (end - start)) == 1:
+                h = (f"{n_got} slots for the {end - start} positions {start}..{end - 1}: end is exclusive, like "
+                     "range(start, end), and start is included.")
+            elif n_got is not None and 0 < n_got < end - start and got.long().tolist() == exp[:n_got].tolist():
+                h = (f"your slots are right up to position {start + n_got - 1}, then stop: something in your slot_mapping "
+                     f"holds only {start + n_got} positions (a fixed-size table or window?). A sequence runs to the model's "
+                     "max_model_len (8192 for SmolLM2), so compute the slots of every position from self.blocks.")
+            else:
+                h = (f"one slot per position: slot_mapping({start}, {end}) returns a 1-D tensor of {end - start} slots, "
+                     "computed from self.blocks and the block size.")
             raise self.fail(f"{what} has the wrong shape.", expected=f"shape {tuple(exp.shape)} (one slot per position {start}..{end - 1})",
-                            got=f"shape {tuple(got.shape)}",
-                            hint="end is exclusive, like range(start, end).")
+                            got=f"shape {tuple(got.shape)}", hint=h)
         if not torch.equal(got.long(), exp):
             positions = list(range(start, end))
             bad = [k for k in range(len(positions)) if int(got[k]) != int(exp[k])]
@@ -258,7 +350,10 @@ class _Run:
                          [""] + ["^" if j in bad else "" for j in shown]])
             blk, off = p // self.bs, p % self.bs
             gv = int(got[k])
-            if gv == p:
+            fork_h = self.fork_hint(i, "slot_mapping", start, end)
+            if fork_h:
+                h = fork_h
+            elif gv == p:
                 h = ("your slot equals the position itself: the table was not used. The slot lives in the PHYSICAL block: "
                      "blocks[pos // block_size] * block_size + pos % block_size.")
             elif gv % self.bs != off:
@@ -294,14 +389,15 @@ class _Run:
         note = f"; blocks {shared} stay held by another table" if shared else ""
         self.log.add(f"{what}  # gives back {held}{note}")
         self.stats["ops"] += 1
-        self.compare(what, i_focus=i, hint=(
+        self.compare(what, i_focus=i, op="free", hint=(
             f"free() must hand each of the table's blocks ({held}) back with allocator.free(b), once per block, then empty "
             "self.blocks and set num_tokens to 0. Clearing the list alone leaks the blocks: the pool never sees them again."
-            if not shared else ""))
+            if not shared and sorted(order) != sorted(held) else ""))
 
     def fork(self, i: int) -> None:
         """t_new = parts.fork_table(t_i) on both sides: a second table sharing every block of t_i."""
         j = fork_both(self, i, "parts.fork_table", ": each ref count is now 2")
+        self.forked.add(j)
         self.compare(f"t{j} = parts.fork_table(t{i})", i_focus=j)
 
 
@@ -333,6 +429,16 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
         r.blocks_needed(0, 0)
         r.blocks_needed(0, 1)
         r.append(0, 1)
+        if part == "growth":
+            r6 = _Run(cls, 8, 4, 1, "a forked table (parts.fork_table sets only its blocks and num_tokens) grows from there",
+                      stats)
+            r6.append(0, 6)
+            r6.fork(0)
+            for n in (0, 1, 2, 3):
+                r6.blocks_needed(1, n)
+            r6.append(1, 3)
+            r6.blocks_needed(1, 4)
+            r6.append(1, 4)
         if part in ("slots", "free"):
             r2 = _Run(cls, 8, 4, 2, "two tables interleave, so their blocks are not in order", stats)
             r2.append(0, 3)
@@ -359,6 +465,15 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
                 r4.append(1, 3)
                 r4.free(1)
                 r4.append(0, 5)
+        if part == "slots":
+            r7 = _Run(cls, LONG // 16 + 3, 16, 2,
+                      f"a sequence of {LONG} tokens (SmolLM2's max_model_len) in blocks of 16, after another table's 2 blocks",
+                      stats)
+            r7.append(1, 20)
+            r7.append(0, LONG - 5)
+            r7.append(0, 5)
+            r7.slots(0, 0, LONG)
+            r7.slots(0, LONG - 40, LONG)
         r3 = _Run(cls, 2, 4, 1, "the pool runs out: the append must take nothing", stats)
         r3.append(0, 5)
         r3.append(0, 4)

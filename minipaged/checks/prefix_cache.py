@@ -138,10 +138,13 @@ class _Run(Story):
     def __init__(self, cls: type, num_blocks: int, block_size: int, label: str, stats: dict) -> None:
         self.cls, self.label, self.stats = cls, label, stats
         self.num_blocks, self.bs = num_blocks, block_size
+        stats["stories"] = stats.get("stories", 0) + (not label.startswith("random run"))
         self.log = Log([f"c = {cls.__name__}(BlockAllocator(num_blocks={num_blocks}, block_size={block_size}))"])
         self.ref = PrefixCache(BlockAllocator(num_blocks, block_size))
         self.mine = self.call(cls, BlockAllocator(num_blocks, block_size), what=f"{cls.__name__}(BlockAllocator({num_blocks}, {block_size}))")
         self.seqs: list[tuple[list[int], list[int]]] = []  # (tokens, blocks): the block tables the story holds
+        self.prefix_of: dict[int, tuple] = {}  # block -> the tokens up to its end, when the reference last cached it
+        self.evicted = 0  # the reference's num_evictions before the last operation
         self.compare("creating the cache", op="create")
 
     # -- state ------------------------------------------------------------------------------
@@ -161,6 +164,16 @@ class _Run(Story):
                 if self.ref.is_cached(b) and got_rc[b] == exp_rc[b] + 1:
                     hint = ("ref_count(b) counts the block tables that hold b. The cache's own hold on a cached block "
                             "(its reference in the inner pool) is not one of them: subtract it.")
+                elif op == "cache" and self.ref.is_cached(b) and got_rc[b] == exp_rc[b] - 1:
+                    hint = (f"block {b} was just cached, and your ref_count subtracts the cache's hold, but the inner pool "
+                            "does not count one: cache_blocks() takes one reference of its own for each block it caches "
+                            "(self.pool.incref(block)), so the inner pool never hands it out while it is cached.")
+                elif op == "allocate" and self.ref.num_evictions > self.evicted and got_rc[b] == exp_rc[b] - 1 \
+                        and not self.ref.is_cached(b):
+                    hint = (f"c.allocate() evicted block {b}: it is no longer cached, and its cache hold became the "
+                            "caller's reference, yet your ref_count still subtracts a cache hold for it. An evicted block "
+                            "leaves the cache: drop its hash when you evict it (from both of your maps, hash -> block and "
+                            "block -> hash).")
                 elif op == "free":
                     hint = "free() drops one reference; a cached block that reaches 0 stays cached (evictable), its count is 0."
                 else:
@@ -179,6 +192,21 @@ class _Run(Story):
         ]:
             got = self.call(lambda n=name: getattr(self.mine, n), what=f"c.{name}")
             if got != exp:
+                if name == "num_free_blocks" and op == "incref" and got == exp + 1:
+                    hint2 = ("a hit revives an evictable block: the cached block that no table held is held again, so "
+                             "incref() must take it out of the evictable blocks (it is no longer free, and must never be "
+                             "evicted while a table holds it).")
+                elif name == "num_free_blocks" and op == "free" and got == exp - 1:
+                    hint2 = ("a cached block whose last holder frees it stays cached and becomes evictable (the most "
+                             "recently released): free() must add it to the evictable blocks, which num_free_blocks counts.")
+                elif name == "num_cached_blocks" and op == "cache" and isinstance(got, int) and got < exp:
+                    hint2 = ("cache_blocks() caches every FULL block i of the sequence (i < len(token_ids) // block_size) "
+                             "whose chained hash is not cached yet: remember hash -> block and block -> hash, and take "
+                             "the cache's own reference (self.pool.incref(block)).")
+                elif name == "num_cached_blocks" and op == "allocate" and self.ref.num_evictions > self.evicted \
+                        and got == exp + 1:
+                    hint2 = ("c.allocate() evicted a cached block: an evicted block leaves the cache, so drop its hash "
+                             "when you evict it (from both of your maps).")
                 raise self.fail(f"c.{name} differs after {after}.", expected=repr(exp), got=repr(got), hint=hint or hint2)
 
     # -- operations, played as the scheduler plays them ---------------------------------------
@@ -213,6 +241,36 @@ class _Run(Story):
         if len(got) == len(exp) + 1 and (len(exp) + 1) * self.bs >= len(tokens):
             return ("your match covers the prompt's last token. It must always be recomputed: its logits give the "
                     "first new token. Match the full blocks of token_ids[:-1] only.")
+        k = next((j for j in range(len(got)) if j >= len(exp) or got[j] != exp[j]), None)
+        g = got[k] if k is not None else None
+        q = self.prefix_of.get(g) if isinstance(g, int) else None
+        mine = tuple(tokens[: (k + 1) * self.bs]) if k is not None else ()
+        if q is not None and len(q) == len(mine) and q != mine:
+            pairs = [(a, b) for a, b in zip(mine, q) if a != b]
+            for mod, what in ((65536, "two bytes or fewer (int16/uint16, % 65536; one byte would lose them too)"),
+                              (256, "one byte (int8/uint8, % 256, bytes(ids))")):
+                if all(a % mod == b % mod for a, b in pairs):
+                    a, b = pairs[0]
+                    return (f"block {k} of this prompt holds ids {list(mine[-self.bs:])}; the block you returned (block "
+                            f"{g}) was cached for ids {list(q[-self.bs:])}"
+                            + (" (after other tokens)" if q[:-self.bs] != mine[:-self.bs] else "")
+                            + f". Ids {a} and {b} are equal modulo {mod:,}: somewhere your ids are narrowed to {what} "
+                            "before they are hashed. hash_block may be right while match_prefix or cache_blocks stores "
+                            "the ids in a narrower integer type first: every id goes into the hash whole, up to 151,000 "
+                            "and more.")
+        if q is not None and q != mine and q[-self.bs:] == mine[-self.bs:]:
+                return (f"for block {k} of this prompt you returned block {g}, which was cached for the same tokens "
+                        f"{list(mine[-self.bs:])} after other tokens before them ({list(q[:-self.bs])}), so its K/V is not "
+                        "this prompt's: the hash of block i must chain from block i-1's hash (the first block's parent is "
+                        "ROOT_HASH), so a block is found only after the same prefix.")
+        if q is not None and k is not None and k == len(exp) and len(q) > len(mine) and q == tuple(tokens[: len(q)]):
+            return (f"block {k} of this prompt is not cached (it was evicted), so the match ends there, even though a "
+                    f"later block of the same prefix (block {g}) is still cached: the match ends at the first block that "
+                    "is not cached (break, not continue). Without block "
+                    f"{k}'s K/V, a later block is of no use.")
+        if q is not None and q == mine and not self.ref.is_cached(g):
+            return (f"block {g} was evicted (handed out again by allocate()), but your cache still finds it: drop its "
+                    "hash when you evict it (from both of your maps).")
         if len(got) > len(exp):
             return ("you matched a block the reference does not have: the hash of block i must chain from block "
                     "i-1's hash (the first block's parent is ROOT_HASH), so a block is found only after the same "
@@ -223,6 +281,7 @@ class _Run(Story):
     def allocate(self, blocks: list[int]) -> None:
         # what was cached BEFORE the reference's allocate(), which may evict the very block it returns
         cached_before = {b for b in range(self.num_blocks) if self.ref.is_cached(b)}
+        self.evicted = self.ref.num_evictions
         exp = self.ref.allocate()
         got = self.call(self.mine.allocate, what="c.allocate()")
         self.log.add(f"c.allocate()  # -> {exp} expected")
@@ -243,7 +302,11 @@ class _Run(Story):
         self.compare(f"c.allocate() -> {exp}", op="allocate")
 
     def cache(self, tokens: list[int], blocks: list[int]) -> None:
+        before = {b for b in blocks if self.ref.is_cached(b)}
         self.ref.cache_blocks(tokens, blocks)
+        for i, b in enumerate(blocks[: len(tokens) // self.bs]):
+            if b not in before and self.ref.is_cached(b):
+                self.prefix_of[b] = tuple(tokens[: (i + 1) * self.bs])
         self.call(self.mine.cache_blocks, list(tokens), list(blocks), what=f"c.cache_blocks({tokens}, {blocks})")
         self.log.add(f"c.cache_blocks({tokens}, {blocks})")
         self.compare(f"c.cache_blocks({tokens}, {blocks})", op="cache")
@@ -259,9 +322,9 @@ class _Run(Story):
         self.cache(tokens, blocks)
         self.stats["ops"] += 1
 
-    def release(self, rng: random.Random | None = None, index: int = -1) -> None:
+    def release(self, rng: random.Random | None = None, index: int = -1, forward: bool = False) -> None:
         tokens, blocks = self.seqs.pop(rng.randrange(len(self.seqs)) if rng is not None else index)
-        for b in reversed(blocks):  # a block table frees its last block first
+        for b in (blocks if forward else reversed(blocks)):  # minipaged's block table frees its last block first
             cached = self.ref.is_cached(b)
             self.ref.free(b)
             self.call(self.mine.free, b, what=f"c.free({b})")
@@ -349,6 +412,15 @@ def _scenarios(cls, stats) -> None:
     r.admit([151_000, 2, 70_000, 4, 65_537, 6])
     r.admit([151_000, 2, 70_000, 4, 1, 6, 9])
     r.admit([151_000, 2, 70_000, 260, 1])
+    r = _Run(cls, 8, 2, "ids above 65,535 and their 16-bit aliases (x - 65,536) in one cache: they must not match", stats)
+    r.admit([70_000, 151_000, 65_537, 99_999, 5])
+    r.admit([70_000 - 65_536, 151_000 - 131_072, 1, 99_999 - 65_536, 5])
+    r.admit([70_000, 151_000, 1, 99_999, 7])
+    r = _Run(cls, 6, 2, "the middle of a cached prefix is evicted: a prompt's match ends there", stats)
+    r.admit([1, 2, 3, 4, 5, 6, 7])  # blocks 0, 1, 2 cached; 3 partial
+    r.release(index=0, forward=True)  # a table that frees its first block first: evictable 0, 1, 2 in that order
+    r.admit([1, 2, 9, 9, 9, 9, 9, 9, 9])  # revives block 0; the pool is empty, so block 1 (oldest) is evicted
+    r.admit([1, 2, 3, 4, 5, 6, 8])  # block 0 cached, block 1 evicted, block 2 still cached: the match is [0]
 
 
 def check_lookup_and_eviction(cache_cls: type, seed: int = 0, runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -376,7 +448,7 @@ def check_lookup_and_eviction(cache_cls: type, seed: int = 0, runs: int = 25, ti
             stats["runs"] += 1
 
     run_guarded("08", NAME, _body, timeout, stats)
-    passed(f"lookup, caching and eviction: {stats['runs']} random runs and 6 stories, {stats['ops']} requests admitted, "
+    passed(f"lookup, caching and eviction: {stats['runs']} random runs and {stats['stories']} stories, {stats['ops']} requests admitted, "
            "grown or ended; after every call your cache's blocks, ref counts, free, cached and eviction counts matched the reference.")
 
 
@@ -404,6 +476,7 @@ def check_copy_on_write(cow_fn: Callable, seed: int = 0, runs: int = 40, timeout
         for (ti, start, end) in writes:
             what = f"copy_on_write({'parent' if ti == 0 else f'children[{ti - 1}]'}, {start}, {end})"
             state["current"] = f"{what}  ({label})"
+            rc_before = {b: rp.ref_count(b) for b in rt[ti].blocks}
             try:
                 exp = ref_copy_on_write(rt[ti], start, end)
             except OutOfBlocksError:
@@ -441,6 +514,15 @@ def check_copy_on_write(cow_fn: Callable, seed: int = 0, runs: int = 40, timeout
                     hint = ("the write touches a block that another table shares (ref count > 1): writing into it "
                             "would change the other sequence too. Take a fresh block, put it in the table in place of "
                             "the shared one, and free() the shared one (its other holders keep it).")
+                elif isinstance(got_l, list) and len(got_l) > len(exp) and [
+                        p for p in got_l if isinstance(p, tuple) and p and p[0] not in {q[0] for q in exp}
+                        and rc_before.get(p[0], 0) > 1]:
+                    extra = [p[0] for p in got_l if isinstance(p, tuple) and p and p[0] not in {q[0] for q in exp}
+                             and rc_before.get(p[0], 0) > 1]
+                    hint = (f"you copied shared block(s) {extra} that positions {start}..{end - 1} do not fall in: only "
+                            f"the blocks the write touches (blocks[{start} // block_size] ... blocks[({end} - 1) // "
+                            "block_size], those the table has) are replaced; a shared block the write does not touch "
+                            "stays shared.")
                 elif isinstance(got_l, list) and len(got_l) > len(exp):
                     hint = ("you copied a block that needs no copy: only blocks with ref count > 1 are replaced; "
                             "a block this table holds alone is written in place.")
@@ -541,8 +623,33 @@ class _Plugged:
             self.error = self.error or e
             raise
 
+    @staticmethod
+    def _counts(table: Any, blocks: list) -> dict:
+        return {b: table.allocator.ref_count(b) for b in set(blocks)}
+
+    def _refuse_counts(self, title: str, hint: str) -> None:
+        self.error = self.error or failure(f"{NAME}: at step {self.step}, {title}", hint=hint)
+        raise self.error
+
     def fork_table(self, table: Any) -> Any:
+        held = list(table.blocks)
+        before = self._counts(table, held)
         child = self._call("fork_table", table)
+        after = self._counts(table, held)
+        twice = sorted(b for b in before if after[b] - before[b] > held.count(b))
+        missed = sorted(b for b in before if after[b] - before[b] < held.count(b))
+        if twice:  # (a fork that raises none is seen by the invariants after the step)
+            self._refuse_counts(
+                f"fork_table(table) of a table of blocks {held} raised the ref count of block(s) {twice} by more than one "
+                f"(from {fmt_list(before[b] for b in twice)} to {fmt_list(after[b] for b in twice)}).",
+                "the child is one more holder of each block: incref each block of the parent exactly once "
+                "(table.allocator.incref(b) for b in table.blocks), and nothing else.")
+        if missed and len(missed) < len(before):
+            self._refuse_counts(
+                f"fork_table(table) of a table of blocks {held} raised the ref count of some of its blocks, but not of "
+                f"{missed}.",
+                "the child shares EVERY block of the parent, so each one gets one more holder: incref each block of "
+                "table.blocks, the first and the last included.")
         if child is table or not hasattr(child, "blocks"):
             self.error = self.error or failure(
                 f"{NAME}: at step {self.step}, fork_table(table) returned {type(child).__name__}"
@@ -556,7 +663,23 @@ class _Plugged:
 
     def free_table(self, table: Any) -> None:
         held = list(table.blocks)
+        before = self._counts(table, held)
         self._call("free_table", table)
+        after = self._counts(table, held)
+        twice = sorted(b for b in before if before[b] - after[b] > held.count(b))
+        kept = sorted(b for b in before if before[b] - after[b] < held.count(b))
+        if twice:
+            self._refuse_counts(
+                f"free_table(table) of a beam that fell out (blocks {held}) lowered the ref count of block(s) {twice} by "
+                f"more than one (from {fmt_list(before[b] for b in twice)} to {fmt_list(after[b] for b in twice)}).",
+                "the beam is one holder of each of its blocks: free each block of the table exactly once "
+                "(table.allocator.free(b)); its siblings keep theirs.")
+        if kept and len(kept) < len(before):  # (a free_table that frees none is seen by the invariants after the step)
+            self._refuse_counts(
+                f"free_table(table) of a beam that fell out (blocks {held}) gave back some of its blocks, but not "
+                f"{kept}.",
+                "give back EVERY block the table holds, the first and the last included: table.allocator.free(b) once "
+                "for each b in table.blocks, before you empty the list.")
         if list(table.blocks) or table.num_tokens:
             self.error = self.error or failure(
                 f"{NAME}: at step {self.step}, after free_table(table) of a beam that fell out (blocks {held}), the table "

@@ -5,6 +5,7 @@ The ref counts differ right after allocate(), so the hint must be about allocate
 CHECK = "minipaged.checks.block_allocator:check_allocate_free"
 EXPECT = ["ref counts differ after a.allocate() -> 0", "allocate() must set the new block's ref count to 1"]
 UNEXPECTED = ["free() drops one reference", "free() must lower"]
+HINT = "allocate() must set the new block's ref count to 1"
 
 from collections import deque
 

@@ -1,6 +1,7 @@
 """free() of a block that is already free is not detected: it lands in the free list twice."""
 CHECK = "minipaged.checks.block_allocator:check_sharing"
 EXPECT = ["on a free block did not raise", "double free"]
+HINT = "this is a double free"
 
 from collections import deque
 

@@ -3,6 +3,7 @@ CHECK = "minipaged.checks.block_allocator:check_allocate_free"
 KWARGS = {"timeout": 2}
 EXPECT = ["stopped after 2 s", "a.allocate()", "loop that never ends"]
 ERROR = "CheckTimeout"
+HINT = "look for a loop that never ends"
 
 
 class MyBlockAllocator:

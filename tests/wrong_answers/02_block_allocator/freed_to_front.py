@@ -1,6 +1,7 @@
 """free() puts a block that became free at the FRONT of the free list: the block freed last is reused first."""
 CHECK = "minipaged.checks.block_allocator:check_allocate_free"
 EXPECT = ["returned a different block", "FRONT of the free list", "at the BACK"]
+HINT = "your free() puts a block that became free at the FRONT"
 
 from collections import deque
 

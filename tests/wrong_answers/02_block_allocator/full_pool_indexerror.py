@@ -1,6 +1,7 @@
 """allocate() on a full pool lets deque.popleft()'s IndexError escape."""
 CHECK = "minipaged.checks.block_allocator:check_allocate_free"
 EXPECT = ["on a full pool raised the wrong exception", "OutOfBlocksError", "IndexError"]
+HINT = "the IndexError came from taking a block off an empty free list"
 
 from collections import deque
 

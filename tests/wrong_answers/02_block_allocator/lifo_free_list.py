@@ -1,6 +1,7 @@
 """allocate() takes from the back of the free list (list.pop()), not the front."""
 CHECK = "minipaged.checks.block_allocator:check_allocate_free"
-EXPECT = ["returned a different block", "FRONT of the free list"]
+EXPECT = ["returned a different block", "Take the FRONT instead"]
+HINT = "your allocate() takes the block at the back"
 
 from minipaged import BlockAllocatorError, OutOfBlocksError
 

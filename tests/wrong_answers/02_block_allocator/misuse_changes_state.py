@@ -1,6 +1,7 @@
 """A double free raises, but only after lowering the ref count: a failed call must change nothing."""
 CHECK = "minipaged.checks.block_allocator:check_sharing"
 EXPECT = ["which must change nothing", "BEFORE changing anything"]
+HINT = "check for the misuse BEFORE changing anything"
 
 from collections import deque
 

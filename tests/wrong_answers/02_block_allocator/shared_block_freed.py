@@ -1,6 +1,7 @@
 """free() puts a block back in the free list even while another table still holds it."""
 CHECK = "minipaged.checks.block_allocator:check_sharing"
 EXPECT = ["of a shared block", "free() drops one reference"]
+HINT = "another block table still holds it. free() drops one reference"
 
 from collections import deque
 

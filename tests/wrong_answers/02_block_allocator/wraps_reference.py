@@ -1,6 +1,7 @@
 """Every method forwards to a minipaged BlockAllocator kept inside: delegation, refused."""
 CHECK = "minipaged.checks.block_allocator:check_sharing"
 EXPECT = ["called minipaged.BlockAllocator.__init__", "minipaged's own implementation"]
+HINT = None  # a refusal: the message says what to do, with no hint
 
 from minipaged import BlockAllocator
 

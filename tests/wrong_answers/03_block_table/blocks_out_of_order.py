@@ -1,6 +1,7 @@
 """append_tokens() puts the new blocks in front of the old ones: self.blocks is no longer in logical order."""
 CHECK = "minipaged.checks.block_table:check_growth"
 EXPECT = ["blocks differ after", "Page table of t0"]
+HINT = "holds the right blocks in another order"
 
 from minipaged import parts
 

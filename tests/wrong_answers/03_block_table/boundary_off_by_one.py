@@ -1,6 +1,7 @@
 """blocks_needed() adds a block too many when the tokens end exactly on a block boundary."""
 CHECK = "minipaged.checks.block_table:check_growth"
 EXPECT = ["blocks_needed(0) differs", "exact boundary"]
+HINT = "Watch the exact boundary"
 
 from _base import GoodBlockTable
 

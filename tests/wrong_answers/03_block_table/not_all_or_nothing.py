@@ -1,6 +1,7 @@
 """append_tokens() takes blocks one at a time and keeps the ones it got when the pool runs dry."""
 CHECK = "minipaged.checks.block_table:check_growth"
 EXPECT = ["ran out of blocks", "all or nothing"]
+HINT = "all or nothing: when the pool cannot give every block needed, raise BEFORE taking any"
 
 from _base import GoodBlockTable
 

@@ -1,6 +1,7 @@
 """slot_mapping() divides with / : the slots come out as floats, which cannot index the cache."""
 CHECK = "minipaged.checks.block_table:check_slot_mapping"
 EXPECT = ["slots index the cache, so they must be integers", "use integer ops"]
+HINT = "use integer ops"
 
 import torch
 

@@ -2,6 +2,7 @@
 num_tokens, the table's state) has none, so its slot_mapping is wrong."""
 CHECK = "minipaged.checks.block_table:check_slot_mapping"
 EXPECT = ["a forked table", "t1.slot_mapping(0, 6)"]
+HINT = "has slot_mapping right; the fork has not"
 
 import torch
 

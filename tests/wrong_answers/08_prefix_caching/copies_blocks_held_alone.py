@@ -1,6 +1,7 @@
 """copy_on_write copies every block the write touches, also those the table holds alone."""
 CHECK = "minipaged.checks.prefix_cache:check_copy_on_write"
 EXPECT = ["differ after copy_on_write", "a block this table holds alone is written in place"]
+HINT = "you copied a block that needs no copy"
 
 from _base import good_copy_on_write
 

@@ -1,6 +1,7 @@
 """ref_count(b) includes the cache's own hold on a cached block."""
 CHECK = "minipaged.checks.prefix_cache:check_lookup_and_eviction"
 EXPECT = ["ref counts differ", "cache's own hold"]
+HINT = "is not one of them: subtract it"
 
 from _base import GoodPrefixCache
 

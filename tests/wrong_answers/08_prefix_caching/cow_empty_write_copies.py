@@ -1,6 +1,7 @@
 """copy_on_write of an empty range (start == end) still copies the block that start falls in."""
 CHECK = "minipaged.checks.prefix_cache:check_copy_on_write"
 EXPECT = ["copy_on_write(children[0], 5, 5)", "a write of no positions"]
+HINT = "a write of no positions (start == end) touches no block"
 
 from _base import good_copy_on_write
 

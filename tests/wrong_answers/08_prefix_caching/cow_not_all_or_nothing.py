@@ -1,6 +1,7 @@
 """Copies shared blocks one by one until the pool runs out: the blocks copied before the error stay changed."""
 CHECK = "minipaged.checks.prefix_cache:check_copy_on_write"
 EXPECT = ["the pool is short", "all or nothing"]
+HINT = "raise OutOfBlocksError BEFORE replacing any block"
 
 from _base import shared_blocks
 

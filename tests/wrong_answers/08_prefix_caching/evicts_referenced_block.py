@@ -1,6 +1,7 @@
 """allocate() evicts the oldest cached block even while a block table still holds it."""
 CHECK = "minipaged.checks.prefix_cache:check_lookup_and_eviction"
 EXPECT = ["returned a different block", "still held by", "only a cached block at ref count 0 may be evicted"]
+HINT = "only a cached block at ref count 0 may be evicted"
 
 from _base import GoodPrefixCache
 from minipaged import OutOfBlocksError

@@ -2,6 +2,7 @@
 CHECK = "minipaged.checks.prefix_cache:check_lookup_and_eviction"
 EXPECT = ["returned a different block", "a never-cached free block was available"]
 UNEXPECTED = ["LEAST recently"]
+HINT = "a never-cached free block was available"
 
 from _base import GoodPrefixCache
 

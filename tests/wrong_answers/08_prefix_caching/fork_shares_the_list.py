@@ -1,6 +1,7 @@
 """fork_table gives the child the parent's own list object: a copy-on-write in one table changes the other."""
 CHECK = "minipaged.checks.prefix_cache:check_beam_search"
 EXPECT = ["the same list object", "list(table.blocks)"]
+HINT = "two beams' tables are the same list object"
 
 from _base import good_copy_on_write, good_free_table
 

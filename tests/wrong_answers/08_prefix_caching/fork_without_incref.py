@@ -1,6 +1,7 @@
 """fork_table shares the parent's blocks without raising their ref counts."""
 CHECK = "minipaged.checks.prefix_cache:check_beam_search"
 EXPECT = ["the block invariants break", "incref"]
+HINT = "fork_table must raise the ref count of every block it shares"
 
 from _base import good_copy_on_write, good_free_table
 

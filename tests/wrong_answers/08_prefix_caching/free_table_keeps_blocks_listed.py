@@ -1,6 +1,7 @@
 """free_table gives the blocks back but leaves them listed in the table."""
 CHECK = "minipaged.checks.prefix_cache:check_beam_search"
 EXPECT = ["still lists blocks", "table.blocks = []"]
+HINT = "after giving its blocks back the table holds nothing"
 
 from _base import good_copy_on_write, good_fork_table
 

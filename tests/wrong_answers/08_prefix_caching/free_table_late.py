@@ -1,6 +1,7 @@
 """free_table frees a dropped beam's blocks one call late: it keeps the table and frees it at the next drop."""
 CHECK = "minipaged.checks.prefix_cache:check_beam_search"
 EXPECT = ["AT ONCE"]
+HINT = "free_table must give every block back AT ONCE"
 
 from _base import good_copy_on_write, good_fork_table
 

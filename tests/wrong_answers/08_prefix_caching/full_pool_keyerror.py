@@ -1,6 +1,7 @@
 """allocate() with no free and no evictable block pops an empty OrderedDict: KeyError, not OutOfBlocksError."""
 CHECK = "minipaged.checks.prefix_cache:check_lookup_and_eviction"
 EXPECT = ["every block held", "raised KeyError, not OutOfBlocksError"]
+HINT = "when the inner pool has no free block and no cached block is evictable, raise OutOfBlocksError"
 
 from _base import GoodPrefixCache
 

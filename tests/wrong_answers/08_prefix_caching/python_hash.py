@@ -1,6 +1,7 @@
 """Uses Python's hash() of a tuple: equal within one process, different in the next (bytes are salted)."""
 CHECK = "minipaged.checks.prefix_cache:check_hash_chain"
 EXPECT = ["called Python's hash()", "from one process to the next", "hashlib.sha256"]
+HINT = None  # a refusal: the message says what to do, with no hint
 
 from _base import GoodPrefixCache
 
