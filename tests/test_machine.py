@@ -361,3 +361,30 @@ def test_the_default_route_here_is_profiled_whole_where_it_fuses_its_decode_step
     assert set(fd.batches) == set(machine.QUICK["decode_batches"]) | set(machine.QUICK["fused_batches"])
     assert fd.context == machine.QUICK["decode_context"] and list(fd.seconds) == sorted(fd.seconds) and fd.seconds[0] > 0
     assert machine.predict_decode(prof, 4, fd.context) == pytest.approx(fd.at(4))
+
+
+def test_check_measured_retries_a_miss_once_fresh_and_a_miss_that_stays_fails(capsys):
+    """check_measured is the lessons' one retry rule: ``once(False)``; on a miss ``once(True)`` (a
+    fresh profile and a new measurement), said aloud; a second miss fails or is printed as explained.
+    A first reading within tolerance is never measured again."""
+    calls = []
+
+    def readings(*pairs):
+        it = iter(pairs)
+        return lambda fresh: calls.append(fresh) or next(it)
+
+    p = machine.check_measured("step", readings((10.0, 10.5)), 0.25, unit="ms")
+    assert p.ok and calls == [False] and "first try" not in capsys.readouterr().out
+    calls.clear()
+    p = machine.check_measured("step", readings((10.0, 30.0), (10.0, 11.0)), 0.25, unit="ms")
+    out = capsys.readouterr().out
+    assert p.ok and calls == [False, True] and "first try: predicted 10.0 ms, measured 30.0 ms" in out
+    assert p.measured == 11.0                                           # the second reading is the one checked
+    calls.clear()
+    with pytest.raises(AssertionError, match="beyond tolerance"):
+        machine.check_measured("step", readings((10.0, 30.0), (10.0, 31.0)), 0.25, unit="ms")
+    assert calls == [False, True]
+    p = machine.check_measured("knee", readings((4.0, 9.0), (4.0, 8.0)), factor=1.5, explained="the padded gather")
+    assert not p.ok and p.explained == "the padded gather"              # an explained miss passes, printed as one
+    calls.clear()
+    assert machine.check_measured("knee", readings((4.0, 5.5)), factor=1.5).ok and calls == [False]
