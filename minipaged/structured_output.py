@@ -36,6 +36,7 @@ from typing import Any, Iterable
 import torch
 
 from .structured_params import StructuredOutputsParams, clean_backend_error
+from .colab import require
 
 BACKEND = "xgrammar"
 CACHE_SIZE = 128  # compiled grammars kept (least recently used dropped)
@@ -58,7 +59,7 @@ def encoded_vocab(tokenizer: Any, vocab_size: int) -> list[str]:
 
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int] = ()):
     """xgrammar's TokenizerInfo for minipaged's Tokenizer (byte-level BPE, as SmolLM2 and Llama use)."""
-    import xgrammar as xgr
+    xgr = require("xgrammar")
 
     stops = list(dict.fromkeys(list(stop_token_ids) or list(getattr(tokenizer, "eos_token_ids", ()))))
     return xgr.TokenizerInfo(encoded_vocab(tokenizer, vocab_size), xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
@@ -75,7 +76,7 @@ class _Matcher:
     __slots__ = ("compiled", "stops", "matcher", "read")
 
     def __init__(self, compiled: Any, stops: list[int]) -> None:
-        import xgrammar as xgr
+        xgr = require("xgrammar")
 
         self.compiled, self.stops = compiled, stops
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
@@ -111,7 +112,7 @@ class StructuredOutputs:
     and the step's bitmask. ``tokenizer``: minipaged's Tokenizer; ``vocab_size``: the logits' width."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        import xgrammar as xgr
+        xgr = require("xgrammar")
 
         if tokenizer is None or not hasattr(tokenizer, "backend"):
             raise StructuredOutputError("structured outputs need the model's tokenizer (the grammar is matched against "

@@ -126,7 +126,9 @@ def check_grammar(kind: str, text: str, compact: bool) -> None:
 
 def _backend_grammar(kind: str, text: str, compact: bool):
     """The xgrammar Grammar of one form (the tokenizer-free half of compiling it)."""
-    import xgrammar as xgr
+    from .colab import require
+
+    xgr = require("xgrammar")
 
     if kind == "json":
         try:

@@ -240,3 +240,54 @@ def test_install_cell_on_a_fake_colab(tmp_path):
     version, init, model_path, exists = after["minipaged"]
     assert Path(init).resolve().is_relative_to(venv.resolve()), f"minipaged was imported from {init}, not the venv"
     assert exists, f"the default model is not where minipaged looks for it: {model_path}"
+
+
+def _fake_missing(monkeypatch, module="xgrammar"):
+    """``module`` looks uninstalled (and not yet imported); pip calls are recorded, not run."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: calls.append(args) or subprocess.CompletedProcess(args, 1, "", "no network"))
+    return calls
+
+
+def test_require_installs_a_missing_optional_module_where_the_install_cell_installs(monkeypatch, capsys):
+    """Colab ships no xgrammar: lesson 13 and workbook 11 get it through minipaged.colab.require, which
+    pip-installs it there (or with $MINIPAGED_WHEEL set) and says so; a failed install says what to run."""
+    from minipaged.colab import require
+
+    calls = _fake_missing(monkeypatch)
+    monkeypatch.setitem(sys.modules, "google.colab", type(sys)("google.colab"))
+    with pytest.raises(ModuleNotFoundError, match=r"pip install xgrammar>=0.2` failed \(no network\)"):
+        require("xgrammar")
+    assert calls == [[sys.executable, "-m", "pip", "install", "-q", "xgrammar>=0.2"]]
+    assert "installing xgrammar>=0.2 for structured outputs" in capsys.readouterr().out
+
+
+def test_require_elsewhere_names_the_command_and_installs_nothing(monkeypatch):
+    from minipaged.colab import require
+
+    calls = _fake_missing(monkeypatch)
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    monkeypatch.delenv("MINIPAGED_WHEEL", raising=False)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'xgrammar>=0.2'.*make setup") as e:
+        require("xgrammar")
+    assert calls == [] and e.value.name == "xgrammar"
+    with pytest.raises(ValueError, match="not a module the course installs"):
+        require("numpy_but_not")
+
+
+def test_the_lessons_import_xgrammar_only_through_require():
+    """An `import xgrammar` in a lesson or workbook fails on Colab before require can install it."""
+    found = []
+    for folder in ("notebooks", "solutions", "exercises"):
+        for path in sorted((ROOT / folder).glob("*.ipynb")):
+            for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+                if cell["cell_type"] == "code" and any(l.strip().startswith(("import xgrammar", "from xgrammar"))
+                                                       for l in "".join(cell["source"]).splitlines()):
+                    found.append(path.name)
+    assert not found, f"use `xgr = minipaged.colab.require('xgrammar')` instead in {sorted(set(found))}"
+    assert 'require("xgrammar")' in (ROOT / "minipaged" / "structured_output.py").read_text(encoding="utf-8")

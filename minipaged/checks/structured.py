@@ -22,6 +22,7 @@ import torch
 
 from . import _delegation
 from ._core import CheckFailed, DEFAULT_TIMEOUT_S, failure, learner_call, passed, run_with_time_limit
+from ..colab import require
 from ._delegation import guarded, refuse_reference_function
 
 NAME = "11 structured outputs"
@@ -74,7 +75,7 @@ def _spell(prefix: bytes) -> list[int] | None:
 
 def xgrammar_mask(choices: list[str], prefix: bytes, stops: list[int]) -> torch.Tensor | None:
     """xgrammar's mask (bool, V) for ``choices`` after ``prefix``; None where its matcher cannot stand there."""
-    import xgrammar as xgr
+    xgr = require("xgrammar")
 
     from ..sampling_params import StructuredOutputsParams
 
