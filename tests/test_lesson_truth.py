@@ -412,7 +412,7 @@ def test_lesson_05_sets_its_kernel_time_beside_the_prediction_on_a_gpu():
 def test_every_measuring_lesson_prints_a_prediction_beside_its_measurement(prefix):
     path = any_lesson(prefix)
     code, out = text_of(path, "code"), _outputs(path)
-    assert "check_prediction(" in code or "check_decode_step(" in code, f"{path.name} predicts nothing with minipaged.machine"
+    assert any(f in code for f in ("check_prediction(", "check_measured(", "check_decode_step(")), f"{path.name} predicts nothing with minipaged.machine"
     found = list(PREDICTION.finditer(out))
     for m in PREDICTION_FACTOR.finditer(out):                     # a knee: within a factor of at most 1.5
         name, pred, meas, factor = m.group(1), *(float(m.group(i).replace(",", "")) for i in (2, 3, 5))

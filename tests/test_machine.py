@@ -296,9 +296,9 @@ def test_check_decode_step_measures_again_once_and_then_fails_a_miss_that_stays(
     monkeypatch.setattr(v, "measure_decode", lambda eng, batch, prompt_len, steps: v.Sample(step, next(times)))
     prof, pred = machine.check_decode_step(tiny_engine, "decode step B=4", 4, 64)
     out = capsys.readouterr().out
-    assert "first try: predicted" in out and "prediction decode step B=4: predicted" in out and pred.ok
+    assert "try 1: predicted" in out and "prediction decode step B=4: predicted" in out and pred.ok
     assert asked == [False, True] and prof is p                               # the second profile is a fresh one
-    times = iter([10 * truth, 10 * truth])                                     # a miss that stays
+    times = iter([10 * truth] * machine.TRIES)                                 # a miss that stays
     with pytest.raises(AssertionError, match="beyond tolerance"):
         machine.check_decode_step(tiny_engine, "decode step B=4", 4, 64)
 
@@ -374,17 +374,21 @@ def test_check_measured_retries_a_miss_once_fresh_and_a_miss_that_stays_fails(ca
         return lambda fresh: calls.append(fresh) or next(it)
 
     p = machine.check_measured("step", readings((10.0, 10.5)), 0.25, unit="ms")
-    assert p.ok and calls == [False] and "first try" not in capsys.readouterr().out
+    assert p.ok and calls == [False] and "try 1" not in capsys.readouterr().out
     calls.clear()
     p = machine.check_measured("step", readings((10.0, 30.0), (10.0, 11.0)), 0.25, unit="ms")
     out = capsys.readouterr().out
-    assert p.ok and calls == [False, True] and "first try: predicted 10.0 ms, measured 30.0 ms" in out
+    assert p.ok and calls == [False, True] and "try 1: predicted 10.0 ms, measured 30.0 ms" in out
     assert p.measured == 11.0                                           # the second reading is the one checked
     calls.clear()
     with pytest.raises(AssertionError, match="beyond tolerance"):
-        machine.check_measured("step", readings((10.0, 30.0), (10.0, 31.0)), 0.25, unit="ms")
+        machine.check_measured("step", readings((10.0, 30.0), (10.0, 31.0), (10.0, 29.0)), 0.25, unit="ms")
+    assert calls == [False, True, True]                                 # three readings (TRIES), then it fails
+    calls.clear()
+    with pytest.raises(AssertionError, match="beyond tolerance"):
+        machine.check_measured("step", readings((10.0, 30.0), (10.0, 31.0)), 0.25, unit="ms", tries=2)
     assert calls == [False, True]
-    p = machine.check_measured("knee", readings((4.0, 9.0), (4.0, 8.0)), factor=1.5, explained="the padded gather")
+    p = machine.check_measured("knee", readings((4.0, 9.0), (4.0, 8.0), (4.0, 8.5)), factor=1.5, explained="the padded gather")
     assert not p.ok and p.explained == "the padded gather"              # an explained miss passes, printed as one
     calls.clear()
     assert machine.check_measured("knee", readings((4.0, 5.5)), factor=1.5).ok and calls == [False]

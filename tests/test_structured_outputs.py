@@ -164,6 +164,18 @@ def test_sampled_and_n_samples_each_follow_their_grammar(llm):
     assert alone.outputs[0].token_ids == out.outputs[1].token_ids
 
 
+@pytest.mark.slow
+def test_n_greedy_samples_are_each_the_unconstrained_tokens_where_the_model_complies(llm):
+    """n > 1 under a grammar: every sample has its own matcher; greedy, each equals the unconstrained
+    tokens the choice allows, then EOS."""
+    toks, text = _unconstrained(llm)
+    out = llm.chat(CHAT, SamplingParams(temperature=0, n=3, max_tokens=48,
+                                        structured_outputs=StructuredOutputsParams(choice=[text, "I do not know."])))[0]
+    eos = llm.get_tokenizer().eos_token_ids[0]
+    assert len(out.outputs) == 3
+    assert [c.token_ids for c in out.outputs] == [toks + [eos]] * 3 and all(c.finish_reason == "stop" for c in out.outputs)
+
+
 def _unconstrained(llm, n=16):
     out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=n))[0].outputs[0]
     eos = set(llm.get_tokenizer().eos_token_ids)
@@ -206,10 +218,15 @@ def test_preemption_and_prefix_caching_keep_the_grammar_and_the_greedy_tokens(sm
     prompts = [[{"role": "user", "content": f"Person number {i} as JSON:"}] for i in range(6)]
     so = StructuredOutputsParams(json=SCHEMA)
     roomy = [o.outputs[0] for o in llm.chat(prompts, _greedy(so, max_tokens=40))]
+    toks, text = _unconstrained(llm)                    # a choice the model already makes: its tokens must not move
     tight = LLM(model, tok, block_size=16, num_blocks=14)
-    got = [o.outputs[0] for o in tight.chat(prompts, _greedy(so, max_tokens=40))]
+    outs = tight.chat(prompts + [CHAT], [_greedy(so, max_tokens=40)] * len(prompts)
+                      + [_greedy(StructuredOutputsParams(choice=[text]), max_tokens=40)])
+    got, chosen = [o.outputs[0] for o in outs[:-1]], outs[-1].outputs[0]
     assert tight.llm_engine.scheduler.num_preemptions > 0, "the small pool was meant to force preemption"
     assert [g.token_ids for g in got] == [r.token_ids for r in roomy]
+    assert chosen.token_ids == toks + [tok.eos_token_ids[0]] and chosen.finish_reason == "stop"
+    assert sum(g.finish_reason == "stop" for g in got) >= len(got) // 2, "too few finished: the JSON check below checks little"
     again = [o.outputs[0] for o in tight.chat(prompts[:2], _greedy(so, max_tokens=40))]  # prompts now cached
     assert [a.token_ids for a in again] == [r.token_ids for r in roomy[:2]]
     for g in got:
@@ -400,3 +417,25 @@ def test_a_complete_grammar_that_min_tokens_holds_back_ends_that_request_alone(t
     assert outs[0].outputs[0].finish_reason == "error"
     assert "min_tokens=5" in outs[0].error and "no token can continue" in outs[0].error
     assert outs[1].outputs[0].finish_reason == "stop" and outs[1].outputs[0].token_ids == alone.token_ids
+
+
+def test_bench_structured_mask_cost_counts_the_masks_of_exactly_the_constrained_steps(tiny_model):
+    """`minipaged bench structured`'s mask time on the tiny model: both runs decode the same steps (the
+    regex cannot end before them), the mask time is counted only in the constrained run, and it is a
+    part of that run's step, never more."""
+    from minipaged.bench.structured import mask_cost
+
+    llm = LLM(*tiny_model, max_num_seqs=4)
+    rows = mask_cost(llm, batches=(1, 3), tokens=3)
+    assert [r["batch"] for r in rows] == [1, 3] and all(r["tokens"] == 3 for r in rows)
+    for r in rows:
+        assert r["free_ms_per_step"] > 0 and r["structured_ms_per_step"] > 0
+        assert 0 < r["mask_ms_per_step"] < r["structured_ms_per_step"] and 0 < r["mask_share"] < 1, r
+
+
+def test_bench_structured_is_a_bench_command():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "minipaged", "bench", "structured", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--tokens" in r.stdout and "--out" in r.stdout, r.stderr
