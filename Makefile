@@ -54,6 +54,7 @@ bench: $(STAMP)
 # Re-execute the lessons and store them with their outputs.
 notebooks: $(STAMP)
 	$(PY) scripts/run_notebooks.py
+	$(PY) scripts/sync_instructor_times.py
 	$(PY) scripts/update_readme.py
 
 # Regenerate the learners' workbooks from the solved ones.

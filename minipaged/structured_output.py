@@ -36,7 +36,7 @@ from typing import Any, Iterable
 import torch
 
 from .structured_params import StructuredOutputsParams, clean_backend_error
-from .colab import require
+from .optional import require
 
 BACKEND = "xgrammar"
 CACHE_SIZE = 128  # compiled grammars kept (least recently used dropped)

@@ -126,7 +126,7 @@ def check_grammar(kind: str, text: str, compact: bool) -> None:
 
 def _backend_grammar(kind: str, text: str, compact: bool):
     """The xgrammar Grammar of one form (the tokenizer-free half of compiling it)."""
-    from .colab import require
+    from .optional import require
 
     xgr = require("xgrammar")
 

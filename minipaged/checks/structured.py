@@ -22,7 +22,7 @@ import torch
 
 from . import _delegation
 from ._core import CheckFailed, DEFAULT_TIMEOUT_S, failure, learner_call, passed, run_with_time_limit
-from ..colab import require
+from ..optional import require
 from ._delegation import guarded, refuse_reference_function
 
 NAME = "11 structured outputs"
