@@ -641,3 +641,53 @@ def test_the_profiles_time_the_route_s_own_operators_on_a_tiny_model(tiny_model)
     assert t > 0 and timer(((0, 30), (8, 5))) == t and len(timer.timed) == 1  # each shape timed once
     with pytest.raises(ValueError, match="raise num_blocks"):
         timer(((0, 2000),))
+
+
+def test_each_dataset_has_its_own_readme_block_and_alpaca_says_fig_13b_and_its_limit(tmp_path):
+    from minipaged.bench.gpu.paper import LIMITS, readme_marker, update_readme
+
+    res = {"systems": {"vllm": {"label": "vLLM", "max_rate": 2.0, "mean_batched_requests": 30.0, "curve": []}},
+           "settings": {"gpu": "a100-40gb", "model": "opt-13b", "dataset": "alpaca", "fig13_rate": 30.0,
+                        "latency_threshold": 0.2, "requests_per_point": 10, "curve_fractions_of_knee": [1],
+                        "wall_seconds": 1.0, "known_limits": LIMITS["alpaca"]}}
+    block = readme_block(res)
+    assert "paper (Fig. 13b)" in block and LIMITS["alpaca"] in block and "docs/figures/paper_alpaca.png" in block
+    assert readme_marker("sharegpt") == "paper" and readme_marker("alpaca") == "paper_alpaca"
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- paper:begin -->\nshare\n<!-- paper:end -->\n<!-- paper_alpaca:begin -->\nold\n<!-- paper_alpaca:end -->\n")
+    assert update_readme(res, readme)
+    text = readme.read_text()
+    assert "\nshare\n" in text and "old" not in text and "paper (Fig. 13b)" in text   # ShareGPT's block untouched
+
+
+def test_the_readme_alpaca_block_is_the_stored_run():
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    res = json.loads((root / "docs" / "figures" / "paper_alpaca.json").read_text(encoding="utf-8"))
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    block = readme.split("<!-- paper_alpaca:begin -->", 1)[1].split("<!-- paper_alpaca:end -->", 1)[0]
+    assert block.strip() == readme_block(res).strip(), (
+        "README's Alpaca block is not docs/figures/paper_alpaca.json: rerun the command above the block")
+
+
+def test_a_curve_that_never_crosses_goes_on_at_higher_rates_until_it_does(monkeypatch):
+    """max_rate is read where the curve crosses the threshold; a knee search that placed the rates too
+    low (Alpaca) would leave only a lower bound, so the curve goes on. A stand-in simulator whose
+    latency is rate / 100 s/token crosses 0.2 at 20 req/s; the knee search says 10."""
+    from types import SimpleNamespace
+
+    from minipaged.bench.gpu import paper
+
+    def fake(setting, system, rate, n, seed):
+        return SimpleNamespace(rate=rate, normalized_latency=rate / 100, mean_batched_requests=1.0, throughput_tokens=1.0,
+                               num_preemptions=0, num_requests=n, finish_times=[])
+    monkeypatch.setattr(paper, "_simulate", fake)
+    monkeypatch.setattr(paper, "find_knee", lambda setting, system, threshold: 10.0)
+    res = paper.reproduce(systems=["vllm"], num_requests=18, workers=1, progress=False)
+    v = res["systems"]["vllm"]
+    assert max(c["rate"] for c in v["curve"]) > 20 and v["curve_crosses_threshold"]
+    assert v["max_rate"] == pytest.approx(20, rel=0.05)
+    assert res["settings"]["curve_points_added"] == {"vllm": len(paper.EXTEND_FACTORS)}
+    assert "| >= " not in readme_block(res) and "went on at higher rates" in readme_block(res)

@@ -75,6 +75,8 @@ class Setting:
 
 
 def pool_map(fn, tasks: list, workers: int, on_result=None) -> list:
+    """``[fn(t) for t in tasks]``, over ``workers`` forked processes (in order; ``on_result(res, t)``
+    after each)."""
     if workers <= 1 or len(tasks) <= 1:
         out = []
         for t in tasks:
@@ -82,8 +84,6 @@ def pool_map(fn, tasks: list, workers: int, on_result=None) -> list:
             if on_result:
                 on_result(out[-1], t)
         return out
-    """``[fn(t) for t in tasks]``, over ``workers`` forked processes (in order; ``on_result(res, t)``
-    after each)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
