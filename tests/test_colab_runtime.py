@@ -119,13 +119,16 @@ EXECUTE = textwrap.dedent("""
     from nbclient import NotebookClient
     report = {}
     for path in sys.argv[2:]:
-        nb = nbformat.read(path, as_version=4)
         t = time.perf_counter()
-        try:
-            NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": path.rsplit("/", 1)[0]}}).execute()
-            err = None
-        except Exception as e:
-            err = f"{type(e).__name__}: {e}"[-3000:]
+        for attempt in (1, 2):  # a prediction miss (a busy shared machine) runs the notebook once more; nothing else does
+            nb = nbformat.read(path, as_version=4)
+            try:
+                NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": path.rsplit("/", 1)[0]}}).execute()
+                err = None
+            except Exception as e:
+                err = f"{type(e).__name__}: {e}"[-3000:]
+            if err is None or "beyond tolerance. Check that the prediction" not in err:
+                break
         report[path] = {"seconds": time.perf_counter() - t, "error": err,
                         "cells": [[o.get("output_type") == "error" and o.get("ename") or (list(o.get("data", {})) if "data" in o else o.get("name"))
                                    for o in c.get("outputs", [])] for c in nb.cells if c.cell_type == "code"],

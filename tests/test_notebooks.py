@@ -258,6 +258,9 @@ def test_timings_table_lists_every_lesson():
 
 
 # -- execution (slow) -------------------------------------------------------------------------
+# what minipaged.machine.check_prediction raises on a miss nothing explains (a lesson's prediction line)
+PREDICTION_MISS = "beyond tolerance. Check that the prediction and the measurement are of the same thing"
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LESSONS)
 def test_lesson_executes_and_matches_stored_outputs(name):
@@ -268,6 +271,14 @@ def test_lesson_executes_and_matches_stored_outputs(name):
         str(NOTEBOOKS / f"{name}.ipynb"),
     ]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0 and PREDICTION_MISS in r.stdout:
+        # A lesson's prediction missed after its own retries: on a shared CI machine whose speed swings (2x in
+        # a minute, seen here), run the lesson once more before calling it broken. Any other failure fails now;
+        # a wrong model misses every time, and tests/test_planted_bugs.py plants one without this rerun.
+        first = r.stdout[-1500:]
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        print(f"{name}: a prediction missed on the first run; the second run {'passed' if r.returncode == 0 else 'failed too'}"
+              f"\n{first}")
     assert r.returncode == 0, (
         f"{name} no longer matches the code (it fails, or a # NBVAL_CHECK_OUTPUT cell prints something else). "
         f"Fix the lesson or the code, then `make notebooks`.\n{r.stdout[-6000:]}\n{r.stderr[-2000:]}"
