@@ -12,7 +12,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from .kv_cache import dtype_bytes, kv_bytes_per_token
+from .kv_cache import dtype_bytes, kv_bytes_per_token, kv_scale_bytes_per_block
 
 GiB = 2**30
 MiB = 2**20
@@ -115,6 +115,20 @@ def token_kv_bytes(model: str | ModelConfig, kv_dtype: str | torch.dtype = "floa
         return kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim,
                                   torch.float32 if nbytes == 4.0 else torch.float16)
     return int(math.ceil(2 * m.num_layers * m.num_kv_heads * m.head_dim * nbytes))
+
+
+def block_kv_bytes(model: str | ModelConfig, block_size: int = 16, kv_dtype: str | torch.dtype = "float16") -> int:
+    """One block of ``block_size`` tokens across all layers, with the scales stored beside it:
+    ``kv_dtype="int8"`` (kv_cache_dtype's name) keeps one fp32 scale per (block, KV head) for K and
+    for V in every layer, as the engine's pages do (kv_cache.kv_scale_bytes_per_block); fp8's
+    per-layer scales belong to no block."""
+    m = get_model(model)
+    if int(block_size) < 1:
+        raise ValueError(f"block_size must be a positive number of tokens, got {block_size!r}")
+    scales = 0
+    if isinstance(kv_dtype, str) and kv_dtype.lower() == "int8":
+        scales = kv_scale_bytes_per_block(m.num_layers, m.num_kv_heads, "int8")
+    return token_kv_bytes(model, kv_dtype) * int(block_size) + scales
 
 
 def sequence_kv_bytes(model: str | ModelConfig, num_tokens: int, kv_dtype: str | torch.dtype = "float16") -> int:
@@ -244,7 +258,7 @@ def paged_seqs_that_fit(kv_budget_bytes: int, model: str | ModelConfig, lengths:
     ``lengths`` is one length for all, or a list taken in order (and repeated) until the next
     sequence's blocks do not fit in the pool.
     """
-    num_blocks = int(kv_budget_bytes) // (token_kv_bytes(model, kv_dtype) * block_size)
+    num_blocks = int(kv_budget_bytes) // block_kv_bytes(model, block_size, kv_dtype)
     return _take_in_order(num_blocks, [blocks_for(n, block_size) for n in _as_lengths(lengths)])[0]
 
 
@@ -304,7 +318,8 @@ def concurrency(
     ls = _as_lengths(lengths)
     bpt = token_kv_bytes(model, kv_dtype)
     kv_budget_bytes = int(kv_budget_bytes)
-    num_blocks = kv_budget_bytes // (bpt * block_size)
+    per_block = block_kv_bytes(model, block_size, kv_dtype)
+    num_blocks = kv_budget_bytes // per_block
     n_c = contiguous_seqs_that_fit(kv_budget_bytes, model, max_len, kv_dtype)
     n_p, blocks_used = _take_in_order(num_blocks, [blocks_for(n, block_size) for n in ls])
     c_waste = contiguous_waste(ls, max_len)
@@ -318,7 +333,7 @@ def concurrency(
         num_blocks=num_blocks, contiguous_seqs=n_c, paged_seqs=n_p,
         contiguous_waste=c_waste, paged_waste=paged_waste(ls, block_size),
         contiguous_reserved_bytes=n_c * max_len * bpt, contiguous_used_bytes=tokens_of_first(n_c) * bpt,
-        paged_reserved_bytes=blocks_used * block_size * bpt, paged_used_bytes=tokens_of_first(n_p) * bpt,
+        paged_reserved_bytes=blocks_used * per_block, paged_used_bytes=tokens_of_first(n_p) * bpt,
     )
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from minipaged import kv_quant
 from minipaged.attention import torch_sdpa
 from minipaged.engine import LLMEngine
 from minipaged.llm import LLM
@@ -35,6 +36,8 @@ class FaultyAttention:
     "inf" or "raise"; ``which``: None for every row of the call, or k for the rows of the batch's
     k-th sequence (modulo the batch). ``fired`` lists the faults that happened.
     """
+
+    dequantizes = True  # torch_sdpa reads 8-bit pages with their scales, so this wrapper does too
 
     def __init__(self, faults=None):
         self.faults = dict(faults or {})
@@ -70,11 +73,11 @@ def _engine(tiny_model, attention="torch", **kw):
 _clean_cache: dict = {}
 
 
-def _clean_tokens(tiny_model, prompt, max_tokens) -> list[int]:
+def _clean_tokens(tiny_model, prompt, max_tokens, kv_cache_dtype="auto") -> list[int]:
     """The greedy tokens of ``prompt`` alone in a clean engine without prefix caching (memoized)."""
-    key = (tuple(prompt), max_tokens)
+    key = (tuple(prompt), max_tokens, kv_cache_dtype)
     if key not in _clean_cache:
-        eng = _engine(tiny_model, enable_prefix_caching=False)
+        eng = _engine(tiny_model, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
         rid = eng.add_request(list(prompt), SamplingParams(max_tokens=max_tokens, **GREEDY))
         _clean_cache[key] = eng.run()[rid].token_ids
     return _clean_cache[key]
@@ -90,8 +93,15 @@ def _cached_blocks_are_finite(eng) -> None:
         return
     idx = torch.tensor(cached)
     for layer, (k, v) in enumerate(zip(eng.kv_cache.k, eng.kv_cache.v)):
-        bad = [b for b, ok in zip(cached, (torch.isfinite(k[idx]).flatten(1).all(1) & torch.isfinite(v[idx]).flatten(1).all(1)).tolist()) if not ok]
+        # 8-bit pages are read as the attention reads them: dequantized with their scales
+        kk, vv = kv_quant.read_blocks(k, idx), kv_quant.read_blocks(v, idx)
+        bad = [b for b, ok in zip(cached, (torch.isfinite(kk).flatten(1).all(1) & torch.isfinite(vv).flatten(1).all(1)).tolist()) if not ok]
         assert not bad, f"cached blocks {bad} hold non-finite K/V in layer {layer}: a failed step's block was registered"
+        for cache in (k, v):
+            scales = kv_quant.kv_scales(cache)
+            if scales is not None:
+                sc = scales.index_select(0, idx)
+                assert torch.isfinite(sc).all() and (sc >= 0).all(), f"cached blocks' scales {sc} in layer {layer}"
 
 
 def _sound(eng) -> None:
@@ -151,6 +161,23 @@ def test_nan_in_one_sequences_rows_fails_only_that_request(tiny_model):
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_faults_poison_nothing(tiny_model, data):
+    _random_faults(tiny_model, data, "auto")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_faults_poison_no_8bit_page(tiny_model, data, kv_cache_dtype):
+    """The same faults on 8-bit pages: a NaN or inf reaching a K/V write never leaves a cached
+    block (or its scale) non-finite, and every request that did not fail gets a clean 8-bit
+    engine's tokens. fp8's one scale per layer rounds each value alone, so chunked prefill and
+    preemption keep the tokens; int8 re-rounds a block's rows when its scale grows, so a block
+    written in two chunks may differ from one written at once: its runs get room for every prompt
+    in one step and every block (no chunking, no preemption)."""
+    _random_faults(tiny_model, data, kv_cache_dtype)
+
+
+def _random_faults(tiny_model, data, kv_cache_dtype):
     rng = random.Random(data.draw(st.integers(0, 2**16), label="prompt seed"))
     n_req = data.draw(st.integers(1, 6), label="requests")
     jobs = []
@@ -162,10 +189,11 @@ def test_random_faults_poison_nothing(tiny_model, data):
                                                                       st.one_of(st.none(), st.integers(0, 5))), max_size=4),
                        label="faults")
     attention = FaultyAttention(faults)
-    eng = _engine(tiny_model, attention=attention,
-                  num_blocks=data.draw(st.integers(14, 40), label="num_blocks"),  # few: preemption
+    whole = kv_cache_dtype == "int8"
+    eng = _engine(tiny_model, attention=attention, kv_cache_dtype=kv_cache_dtype,
+                  num_blocks=200 if whole else data.draw(st.integers(14, 40), label="num_blocks"),  # few: preemption
                   max_num_seqs=data.draw(st.integers(3, 6), label="max_num_seqs"),
-                  max_num_batched_tokens=data.draw(st.integers(6, 32), label="max_num_batched_tokens"),  # chunked prefill
+                  max_num_batched_tokens=256 if whole else data.draw(st.integers(6, 32), label="max_num_batched_tokens"),  # chunked prefill
                   enable_prefix_caching=data.draw(st.sampled_from([True, True, None])))
     outs = _run(eng, jobs)
     errors = 0
@@ -177,7 +205,7 @@ def test_random_faults_poison_nothing(tiny_model, data):
             continue
         if o.finish_reason == "rejected":
             continue
-        want = _clean_tokens(tiny_model, prompt, sp.max_tokens)
+        want = _clean_tokens(tiny_model, prompt, sp.max_tokens, kv_cache_dtype)
         assert [c.token_ids for c in o.outputs] == [want] * sp.n, (prompt, sp, o, attention.fired)
     assert errors >= 1 or not attention.fired, f"faults {attention.fired} fired and no request failed"
     _sound(eng)
@@ -185,7 +213,7 @@ def test_random_faults_poison_nothing(tiny_model, data):
     attention.faults.clear()
     later = [(PREFIX + [rng.randrange(3, 500)], SamplingParams(max_tokens=5, **GREEDY)), (jobs[0][0], SamplingParams(max_tokens=5, **GREEDY))]
     for (prompt, sp), o in zip(later, _run(eng, later).values()):
-        assert o.finish_reason == "length" and o.token_ids == _clean_tokens(tiny_model, prompt, 5), (prompt, o)
+        assert o.finish_reason == "length" and o.token_ids == _clean_tokens(tiny_model, prompt, 5, kv_cache_dtype), (prompt, o)
     _sound(eng)
 
 

@@ -282,6 +282,26 @@ def test_memory_calculator_knows_the_names():
     assert memory.token_kv_bytes("SmolLM2-135M", "float16") == 2 * memory.token_kv_bytes("SmolLM2-135M", "fp8")
 
 
+@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_memory_calculator_counts_blocks_as_the_engine_does(name):
+    """The lesson 01 calculator (memory.py) and the engine (kv_cache.num_blocks_for_budget) agree on
+    the blocks of a budget, int8's per-block scales included: 1 GiB of SmolLM2 KV in fp16 model
+    config terms. A budget just short of one more int8 block shows the scales are counted."""
+    from minipaged import memory
+
+    cfg = memory.get_model("SmolLM2-135M")
+    per_block = memory.block_kv_bytes(cfg, 16, name)
+    assert per_block == kv_bytes_per_block(**SMOL, block_size=16, dtype=torch.float32, kv_cache_dtype=name)
+    engine_blocks = num_blocks_for_budget(2**30, **SMOL, block_size=16, dtype=torch.float32, kv_cache_dtype=name)
+    c = memory.concurrency(2**30, cfg, 1024, 1024, 16, name)
+    assert c.num_blocks == engine_blocks
+    assert memory.paged_seqs_that_fit(2**30, cfg, 1024, 16, name) == engine_blocks // 64 == c.paged_seqs
+    assert c.paged_reserved_bytes == c.paged_seqs * 64 * per_block
+    # 64 blocks' worth of bare 8-bit pages, without their scales: int8 holds one sequence fewer.
+    bare = 64 * 16 * memory.token_kv_bytes(cfg, name)
+    assert memory.paged_seqs_that_fit(bare, cfg, 1024, 16, name) == (0 if name == "int8" else 1)
+
+
 def test_kv_cache_reports_its_bytes_with_the_scales():
     plain = KVCache(2, 10, 16, 2, 8)
     q8 = KVCache(2, 10, 16, 2, 8, kv_cache_dtype="int8")

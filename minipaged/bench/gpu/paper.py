@@ -421,7 +421,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "a sustained rate stays under")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
-                   help="the KV pages' format (default auto: the weights' 16 bits; fp8/int8: 1 byte a value)")
+                   help="the KV pages' format (default auto: the weights' 16 bits). fp8/int8 (1 byte a value): "
+                   "predict from the memory plan, then run vLLM and Orca (Oracle) with 16-bit and with 8-bit "
+                   "pages and compare KV room, batched requests and max rate (bench/gpu/kvdtype.py)")
     p.add_argument("--memory-gb", type=float, default=None, help="give the GPU this much memory (GiB) instead")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS))
     p.add_argument("--workers", type=int, default=None, help="processes (default: 2, or 1 on a 1-core machine)")
@@ -453,10 +455,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(a: argparse.Namespace) -> int:
-    if any(getattr(a, k, None) for k in ("parallel_samples", "beam_width", "shared_prefix", "chatbot")):
+    kv8 = getattr(a, "kv_cache_dtype", "auto") != "auto"
+    sharing = [k for k in ("parallel_samples", "beam_width", "shared_prefix", "chatbot") if getattr(a, k, None)]
+    if kv8 and sharing:
+        raise SystemExit(f"--kv-cache-dtype {a.kv_cache_dtype} runs the Figs. 12-13 experiment against 16-bit KV; "
+                         f"it does not combine with --{sharing[0].replace('_', '-')}: run them one at a time")
+    if sharing:
         from .sharing import run_cli as sharing_cli
 
         return sharing_cli(a)
+    if kv8:
+        if a.plot or a.readme:
+            raise SystemExit(f"--kv-cache-dtype {a.kv_cache_dtype} prints and writes (--json) its comparison with "
+                             "16-bit KV; --plot and --readme draw the 16-bit Figs. 12-13: run those without it")
+        from .kvdtype import run_cli as kvdtype_cli
+
+        return kvdtype_cli(a)
     res = reproduce(a.gpu, a.model or "opt-13b", a.dataset or "sharegpt",
                     [s.strip() for s in a.systems.split(",") if s.strip()],
                     10_000 if a.num_requests is None else a.num_requests, a.fig13_rate, a.threshold, a.block_size, a.memory_gb, a.seed, a.workers,
