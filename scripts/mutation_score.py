@@ -18,6 +18,16 @@ solutions/NN_*.ipynb) is mutated one change at a time by a small AST mutator:
     swap-args   two neighbouring positional arguments of a call swapped
     drop-kwarg  a keyword argument of a call dropped
 
+and, for the inputs a learner's code meets in serving (issue 40), one mutant of each shortcut that
+passes small cases only:
+
+    narrowed    token ids narrowed to 16 bits on the way in (a uint16 array, `& 0xFFFF`): id 70,000
+                becomes 4,464, which another token already is
+    window      a bounded window: only the last 1,024 token ids looked at, or a length capped at 1,024
+                (SmolLM2-135M's max_model_len is 8,192)
+    memo        a memo keyed by id(): the answer for an object handed in before is returned again, even
+                when that object changed in place, or a new object took a freed one's id
+
 and, for the delegation watch (issue 40), one mutant of each way around it:
 
     unlisted    a function of the block first calls package code no workbook hands over (a check's helper)
@@ -223,6 +233,7 @@ def mutants(stem: str) -> list[Mutant]:
             line = node.lineno
             found.append(Mutant(f"{stem[:2]}:{c}:{line}:{node.col_offset}:{op}:{detail}", c, line,
                                 src_lines[line - 1].strip(), after, new_src))
+    found += input_mutants(stem, nb)
     found += watch_mutants(stem, nb)
     seen, unique = set(), []
     for m in found:  # two operators can give the same program (drop of `return x` and `return` before it)
@@ -256,6 +267,70 @@ RECOMPILE_SRC = ("import importlib as _il, inspect as _ins, sys as _sys, tempfil
                  "_sys.modules['my_copy'] = _c\n"
                  "exec(compile(open(_p).read(), _p, 'exec'), _c.__dict__)\n"
                  "{name} = _c.{attr}\n")
+
+
+# -- the input families: shortcuts that pass small cases (ids, lengths, identity) ------------------------
+TOKEN_PARAMS = ("token_ids", "stop_token_ids")  # lists of token ids (up to 151,000 in the course's models)
+LENGTH_PARAMS = ("num_tokens", "num_new_tokens", "end", "context_len")  # a number of tokens or a position
+MEMO_PARAMS = ("token_ids", "seq", "prefix", "choices", "vocab", "parent")  # objects a learner might memoize on
+WINDOW = 1024
+MEMO_SRC = ("def _memo_by_id(fn):\n"
+            "    memo = {}\n"
+            "    def wrapper(*a, **k):\n"
+            "        key = tuple(x if isinstance(x, (int, float, str, bool, type(None))) else id(x)\n"
+            "                    for x in list(a) + sorted(k.items()))\n"
+            "        if key not in memo:\n"
+            "            memo[key] = fn(*a, **k)\n"
+            "        return memo[key]\n"
+            "    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__\n"
+            "    return wrapper\n")
+
+
+def _first_body_index(fn: ast.FunctionDef) -> int:
+    return 1 if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else 0
+
+
+def input_mutants(stem: str, nb: dict) -> list[Mutant]:
+    """The input families: for every function of a solution block that takes token ids, `narrowed` and
+    `window`; that takes a length, `window`; that takes an object a memo could key on, `memo` (the function,
+    or the method of its class, wrapped by a memo keyed by the arguments' id())."""
+    out: list[Mutant] = []
+    for c, cell in enumerate(nb["cells"]):
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if cell["cell_type"] != "code" or BEGIN not in src:
+            continue
+        lines = solution_lines(src)
+        tree = ast.parse(src)
+        owners = {id(f): cls for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+                  for f in cls.body if isinstance(f, ast.FunctionDef)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.FunctionDef) and any(_inside(st, lines) for st in node.body)):
+                continue
+            params = [a.arg for a in node.args.args]
+            inserts = []
+            for p in params:
+                if p in TOKEN_PARAMS:
+                    inserts.append(("narrowed", p, f"{p} = type({p})(int(t) & 0xFFFF for t in {p}) "
+                                                   f"if isinstance({p}, (list, tuple)) else {p}"))
+                    if p == "token_ids":  # a sequence's ids (a stop list is short)
+                        inserts.append(("window", p, f"{p} = {p}[-{WINDOW}:] if isinstance({p}, (list, tuple)) else {p}"))
+                elif p in LENGTH_PARAMS:
+                    inserts.append(("window", p, f"{p} = min({p}, {WINDOW}) if isinstance({p}, int) else {p}"))
+            for family, p, stmt in inserts:
+                t2 = copy.deepcopy(tree)
+                target = next(n for n in ast.walk(t2) if isinstance(n, ast.FunctionDef) and n.lineno == node.lineno)
+                target.body.insert(_first_body_index(target), ast.parse(stmt).body[0])
+                ast.fix_missing_locations(t2)
+                out.append(Mutant(f"{stem[:2]}:{c}:{node.lineno}:{node.col_offset}:{family}:{node.name}.{p}", c,
+                                  node.lineno, src.split("\n")[node.lineno - 1].strip(), stmt, ast.unparse(t2)))
+            answers = any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(node))
+            if answers and any(p in MEMO_PARAMS for p in params):  # a memo of a function that answers something
+                cls = owners.get(id(node))
+                name = f"{cls.name}.{node.name}" if cls is not None else node.name
+                wrap = f"{name} = _memo_by_id({name})"
+                out.append(Mutant(f"{stem[:2]}:{c}:{node.lineno}:{node.col_offset}:memo:{name}", c, node.lineno,
+                                  src.split("\n")[node.lineno - 1].strip(), wrap, src + "\n" + MEMO_SRC + wrap + "\n"))
+    return out
 
 
 def watch_mutants(stem: str, nb: dict) -> list[Mutant]:

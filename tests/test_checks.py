@@ -12,8 +12,10 @@ wrong answers name a ``build_engine`` and how the learner's folder differs (DROP
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import io
 import os
 import re
 import shutil
@@ -65,7 +67,7 @@ def _load(path: Path):
 
 
 # Workbooks whose every wrong answer declares the hint it must get (HINT): issue 40, hints that name the cause.
-HINTED = ("02_block_allocator", "03_block_table", "08_prefix_caching")
+HINTED = ("02_block_allocator", "03_block_table", "08_prefix_caching", "09_speculative_decoding")
 
 
 def _declared_hints(stem: str) -> dict:
@@ -158,7 +160,7 @@ def test_wrong_answer_is_rejected(path: Path, tmp_path: Path, request) -> None:
 
 
 def test_every_hinted_wrong_answer_declares_its_own_hint() -> None:
-    """Issue 40: in 02, 03 and 08 every wrong answer declares the hint it must get (tests/test_rules.py and the test
+    """Issue 40: in 02, 03, 08 and 09 every wrong answer declares the hint it must get (tests/test_rules.py and the test
     above check it is the one printed), and no two declare the same: each names its own mistake."""
     for stem in HINTED:
         hints = _declared_hints(stem)
@@ -191,9 +193,6 @@ class _RefScheduler(Scheduler):
 # -- the solutions pass; minipaged's own parts are refused --------------------------------------------
 def _solution(stem: str) -> dict:
     from minipaged.checks._workbooks import run_workbook_cells
-
-    import contextlib
-    import io
 
     with contextlib.redirect_stdout(io.StringIO()):
         return run_workbook_cells(SOLUTIONS / f"{stem}.ipynb")
@@ -688,8 +687,6 @@ def test_workbook_10_is_found_by_its_number() -> None:
 def test_workbook_10_ledger_check_runs_measure_pair_and_refuses_a_contradicting_verdict() -> None:
     """The ledger check given the learner's measure_pair runs it on each arm (fake engines here: it
     times generate) and verifies the method; a measure_pair whose verdict its interval contradicts fails."""
-    import contextlib
-    import io
 
     from minipaged.checks import predict as pm
 
@@ -746,3 +743,31 @@ def test_a_module_fingerprinted_while_it_is_still_being_imported_is_read_again_o
         assert _delegation.package_copy(copy["late"].__code__) == f"{name}.late"
     finally:
         del sys.modules[name]
+
+
+@pytest.mark.slow  # loads the model and serves it twice
+def test_the_engine_rows_situations_are_built_by_the_solution_run(tmp_path, one_thread) -> None:
+    """Issue 40 for workbook 07's rows, whose check needs the model (tests/test_rules.py records the rest):
+    the solved parts served by check_engine build every situation those rows name."""
+    if hasattr(BlockTable, "as_tensor"):
+        pytest.skip("needs the engine that serves Protocol-only parts")
+    from rules_table import RULES
+
+    from minipaged.checks import assemble
+    from minipaged.checks._core import recording_situations
+
+    folder = tmp_path / "learner"
+    folder.mkdir()
+    for stem in ("02_block_allocator", "03_block_table", "04_paged_attention_torch", "06_scheduler"):
+        shutil.copy(SOLUTIONS / f"{stem}.ipynb", folder)
+    from minipaged.llm import LLM
+
+    def build_engine(model, tokenizer, parts, **engine_args):  # workbook 07's answer
+        return LLM(model, tokenizer, allocator_cls=parts.allocator_cls, block_table_cls=parts.block_table_cls,
+                   scheduler_cls=parts.scheduler_cls, attention=parts.attention, **engine_args)
+    with recording_situations() as built, contextlib.redirect_stdout(io.StringIO()):
+        assemble.load_parts(folder)
+        assemble.check_engine(build_engine, folder)
+    for rule in (r for r in RULES if r.workbook == "07_assemble"):
+        missing = sorted(set(rule.situations) - built)
+        assert not missing, f"07:{rule.wrong} names {missing}, which the solution run did not build ({sorted(built)})"

@@ -28,18 +28,16 @@ def test_the_prediction_comes_from_the_memory_plan_and_refuses_auto():
         kvdtype.predict("a100-40gb", "opt-13b", "sharegpt", "fp4")
 
 
-def test_the_prediction_is_said_before_any_simulation_runs(monkeypatch):
+def test_the_prediction_is_said_before_any_simulation_runs():
     from minipaged.bench.gpu import paper
 
     said: list[str] = []
-    real = paper.reproduce
 
     def spy(*args, **kw):
         said.append(f"run {kw['kv_cache_dtype']}")
-        return real(*args, **kw)
+        return paper.reproduce(*args, **kw)
 
-    monkeypatch.setattr(paper, "reproduce", spy)
-    res = kvdtype.compare(kv_cache_dtype="int8", num_requests=120, workers=1, say=said.append)
+    res = kvdtype.compare(spy, kv_cache_dtype="int8", num_requests=120, workers=1, say=said.append)
     first_run = said.index("run auto")
     assert said[0].startswith("prediction (before the run)") and first_run > 1
     assert "run int8" in said[first_run + 1:]

@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # workbook 05's kernels run in Triton's interpreter
 
 from minipaged.checks import CheckFailed, CheckTimeout, NotImplementedYet  # noqa: E402
+from minipaged.checks._core import recording_situations  # noqa: E402
 from minipaged.checks._workbooks import run_workbook_cells  # noqa: E402
 
 from rules_table import NOT_A_RULE, RULES, RUN, Rule  # noqa: E402
@@ -141,8 +142,33 @@ def test_solution_passes_the_check(check: str) -> None:
         pytest.importorskip("triton")
     with contextlib.redirect_stdout(io.StringIO()) as out:
         ns = _solution_functions(stem)
-        getattr(importlib.import_module(module), fn_name)(*[ns[n] for n in names])
+        with recording_situations() as built:
+            getattr(importlib.import_module(module), fn_name)(*[ns[n] for n in names])
     assert "\u2714" in out.getvalue(), out.getvalue()
+    # Every situation a row of this check names is built by one of the check's cases (issue 40).
+    for rule in (r for r in RULES if r.check == check):
+        missing = sorted(set(rule.situations) - built)
+        assert not missing, (f"{_id(rule)} names situations {missing} that no case of {fn_name} builds "
+                             f"(it built {sorted(built)})")
+
+
+def test_every_row_lists_its_situations_from_the_vocabulary() -> None:
+    """Each row lists the situations its wording covers, by the names of SITUATIONS; a row whose
+    wording names an exception type lists 'exception type' (its check tells that type from others)."""
+    import re
+
+    import minipaged.checks as checks_pkg
+    from minipaged.checks._core import SITUATIONS
+
+    for name in ("block_allocator", "block_table", "kv_cache_math", "paged_attention", "kv_int8", "triton_decode",
+                 "scheduler", "assemble", "prefix_cache", "spec_decode", "predict", "structured", "kv_connector"):
+        importlib.import_module(f"{checks_pkg.__name__}.{name}")  # their own situations join the vocabulary
+    for rule in RULES:
+        assert rule.situations, f"{_id(rule)} lists no situation: name what its wording covers"
+        unknown = sorted(set(rule.situations) - set(SITUATIONS))
+        assert not unknown, f"{_id(rule)}: unknown situations {unknown}"
+        if re.search(r"\b\w+Error\b", rule.rule):
+            assert "exception type" in rule.situations, f"{_id(rule)} names an exception: list 'exception type'"
 
 
 def _solution_functions(stem: str) -> dict:
@@ -175,6 +201,23 @@ def test_ledger_check_refuses_a_verdict_its_interval_contradicts() -> None:
         for wrong in {"keep", "reject", "inconclusive"} - {want}:
             with pytest.raises(CheckFailed, match="contradicts its interval"):
                 pm.check_ledger([dict(entry, verdict=wrong), other], ns["speedup_interval"], ns["verdict"])
+
+
+def test_the_ledger_rows_situations_are_built() -> None:
+    """Issue 40 for workbook 10's ledger rows (their check measures the model in the workbook): the
+    ledger check on made-up entries, with the solution's interval and verdict, builds every situation
+    those rows name."""
+    from minipaged.checks import predict as pm
+
+    ns = _solution_functions("10_predict_and_measure")
+    base = _load(WRONG / "10_predict_and_measure" / "_base.py")
+    entries = [base.entry("prefix caching", *base.pairs([2.0, 2.1, 1.9], [1.0, 1.1, 0.9])),
+               base.entry("speculative decoding", *base.pairs([1.0, 1.1, 0.9], [2.0, 2.1, 1.9], start=10))]
+    with recording_situations() as built, contextlib.redirect_stdout(io.StringIO()):
+        pm.check_ledger(entries, ns["speedup_interval"], ns["verdict"])
+    for rule in (r for r in RULES if r.check.endswith(":check_ledger")):
+        missing = sorted(set(rule.situations) - built)
+        assert not missing, f"{_id(rule)} names {missing}, which the ledger check did not build ({sorted(built)})"
 
 
 def test_table_size() -> None:

@@ -374,3 +374,79 @@ def is_stub(fn: Any) -> bool:
     except (OSError, TypeError):
         return False
     return "raise NotImplementedError" in src
+
+
+# -- situations: what a check's cases build ------------------------------------------------------
+# A rule of a workbook names situations (a block boundary, a forked table, a named exception, ids
+# past 16 bits, ...). Each check says, as it builds a case, which situations that case puts the
+# learner's code in; tests/rules_table.py lists each rule's situations, and tests/test_rules.py runs
+# every check on the solution while recording, so a situation no case builds fails there.
+SITUATIONS = {
+    "block boundary": "a length exactly at a multiple of the block size",
+    "just below a boundary": "a length one short of a multiple of the block size",
+    "just above a boundary": "a length one past a multiple of the block size",
+    "max_model_len": "a sequence as long as the model's context (max_model_len: 8,192 for SmolLM2-135M), longer than any small window",
+    "empty": "nothing: zero tokens, an empty list, no blocks",
+    "forked table": "a table whose state was set from outside its own methods (parts.fork_table) before its next call",
+    "shared block": "a block held by more than one owner (ref count above 1)",
+    "full pool": "a pool with no free block left",
+    "misuse": "a call the rules forbid (a double free, a block out of range, a count outside the table)",
+    "out-of-order blocks": "a table whose physical blocks are not in logical order",
+    "ids past 16 bits": "token ids above 65,535 beside the ids they alias in 16 bits (up to 151,000: Qwen's vocabulary)",
+    "reused object": "an object freed or changed in place and handed in again, so id() or identity meets new contents",
+    "evicted middle block": "a cached prefix whose middle block was evicted",
+    "different part class": "an injected part whose class differs from the reference's",
+    "preemption": "a step that preempts a running sequence",
+    "random stories": "random sequences of calls against the reference, side by side",
+    "numerical edge": "values at the edge of a format: all-zero, beyond the range, ties in rounding",
+    "exception type": "a rule's named exception type, checked exactly (a parent class does not do)",
+    "learner's parts": "the learner's parts of earlier workbooks run together, with the reference where absent",
+    "measured": "a figure measured on this machine beside the prediction",
+    "each dtype": "every element size the rule covers (4, 2 and 1 bytes)",
+    "distinct factors": "a shape whose factors all differ, so each missing factor shows alone",
+    "budget remainder": "a budget that is not a whole multiple of what one unit takes",
+    "package code in place": "minipaged's own implementation in the learner's place (under another name, subclassed, "
+                             "or called from inside theirs), refused while the check watches every call",
+}
+_RECORDERS: list[set] = []
+
+
+def length_situations(lengths: int | Any, block_size: int, max_model_len: int | None = None) -> list[str]:
+    """The SITUATIONS lengths (one, or several: a batch's) put a learner's code in, against blocks of
+    ``block_size`` tokens and the model's ``max_model_len`` (with blocks of 1 every length is a boundary)."""
+    out: list[str] = []
+    for n in ([lengths] if isinstance(lengths, int) else list(lengths)):
+        found = []
+        if n <= 0:
+            found.append("empty")
+        elif n % block_size == 0:
+            found.append("block boundary")
+        if n > 0 and block_size > 1 and n % block_size == block_size - 1:
+            found.append("just below a boundary")
+        if block_size > 1 and n > block_size and n % block_size == 1:
+            found.append("just above a boundary")
+        if max_model_len is not None and n >= max_model_len:
+            found.append("max_model_len")
+        out += [s for s in found if s not in out]
+    return out
+
+
+def builds(*situations: str) -> None:
+    """Say that the case being built puts the learner's code in ``situations`` (names of SITUATIONS).
+    Costs nothing unless a test is recording."""
+    unknown = [s for s in situations if s not in SITUATIONS]
+    if unknown:
+        raise KeyError(f"unknown situation(s) {unknown}: add them to minipaged.checks._core.SITUATIONS")
+    for rec in _RECORDERS:
+        rec.update(situations)
+
+
+@contextmanager
+def recording_situations() -> Iterator[set]:
+    """Collect the situations the checks run inside the block build (for tests/test_rules.py)."""
+    got: set = set()
+    _RECORDERS.append(got)
+    try:
+        yield got
+    finally:
+        _RECORDERS.remove(got)

@@ -657,6 +657,7 @@ class Guard:
         from . import _core
 
         _core._GUARDS.append(self)
+        _core.builds("package code in place")  # the watch is on: the case refuses minipaged's code in the learner's place
         return self
 
     def __exit__(self, *exc) -> None:

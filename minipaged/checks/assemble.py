@@ -28,10 +28,11 @@ from typing import Any, Callable
 
 import torch
 
-from ._core import (CheckFailed, NotImplementedYet, describe_exception, fmt_list, is_stub, not_implemented, passed,
-                    run_with_time_limit, watching)
+from ._core import (CheckFailed, NotImplementedYet, builds, describe_exception, fmt_list, is_stub, not_implemented,
+                    passed, run_with_time_limit, watching)
 from ._delegation import guarded
 from ._workbooks import find_workbook, run_workbook_cells
+from .paged_attention import length_situations  # its module also names the situation "package code in place"
 
 NAME = "07 assemble"
 
@@ -202,6 +203,7 @@ def _load_parts(folder, learner, verbose, use_triton, state) -> LearnerParts:
             rows.append((stem, "not used", row[2] or "(optional)"))
     parts = LearnerParts(found["02_block_allocator"][0], found["03_block_table"][0], found["04_paged_attention_torch"][1],
                   found["06_scheduler"][0], decode, {stem: name for stem, _, name in rows})
+    builds("learner's parts")
     if decode is not None:
         used = f"decode steps run through your Triton kernel (05, {parts.files[_DECODE[0]]}), prefill through your 04 attention"
     else:
@@ -361,6 +363,7 @@ def _check_plugged(llm, parts: LearnerParts) -> None:
         raise CheckFailed(f"{NAME}: your engine does not use all of your parts and settings. Pass " + "; ".join(wrong)
                           + ".\n\nHint: the point of this workbook is to serve the model with YOUR code: give LLM(...) "
                             "every part from `parts`, and pass **engine_args on unchanged.")
+    builds("different part class")  # the learner's own classes serve, in the reference's place
 
 
 def _record_schedules(llm, raised: list | None = None) -> list:
@@ -436,6 +439,12 @@ def check_engine(build_engine: Callable, folder: str | os.PathLike | None = None
         exp_steps = _record_schedules(ref)
         exp = _generate(ref, PROMPTS, "the reference engine")
         t_ref = time.perf_counter() - t
+        # What these prompts in this small pool put the parts in, read off the reference's schedule: every length
+        # a sequence reaches, blocks freed and allocated again, and the same cache written in place every step.
+        lengths = [start + n for sched, _ in exp_steps for _, start, n in sched]
+        builds("reused object", *length_situations(lengths, ENGINE_ARGS["block_size"]))
+        if any(pre for _, pre in exp_steps):
+            builds("preemption", "full pool")
         state["current"] = "serving the prompts with your engine"
         raised: list = []
         parts.paged_attention = _recording_raises(parts.paged_attention, "attention (04)", raised)
@@ -447,6 +456,7 @@ def check_engine(build_engine: Callable, folder: str | os.PathLike | None = None
         t = time.perf_counter()
         # While your engine serves, none of minipaged's own parts may run in place of yours.
         with guarded("07", NAME), watching("your engine (build_engine(...).generate)"):
+            builds("package code in place")
             got = _generate(llm, PROMPTS, "your engine")
         t_mine = time.perf_counter() - t
         if not isinstance(got, list) or len(got) != len(PROMPTS):

@@ -14,12 +14,13 @@ from typing import Any
 
 from collections import deque
 
-from ..block_allocator import BlockAllocator
+from ..block_allocator import BlockAllocator, BlockAllocatorError, OutOfBlocksError
 from ..interfaces import BlockPool
 from ._core import (
     DEFAULT_TIMEOUT_S,
     CheckFailed,
     Log,
+    builds,
     failure,
     fmt_list,
     learner_call,
@@ -33,7 +34,6 @@ from ._core import (
 from ._delegation import refuse_package_class, run_guarded
 
 NAME = "02 block allocator"
-
 
 class _Run:
     """One pool driven on both sides: ``ref`` (the reference) and ``mine`` (the learner's)."""
@@ -50,6 +50,7 @@ class _Run:
         self.wrong_orders: dict = {"takes_back": deque(range(num_blocks)), "frees_front": deque(range(num_blocks))}
         self.mine = self.call(cls, num_blocks, block_size, what=self.current)
         self.held: list[int] = []  # one entry per reference a "block table" holds
+        self.returned: set = set()  # blocks that went back to the free list: handed out again, they are reused
         self.names: dict[int, str] = {}
         self.compare("creating the allocator", op="create")
 
@@ -153,7 +154,8 @@ class _Run:
         if self.ref.num_free_blocks == 0:
             what = "a.allocate()"
             handed: list = []
-            err = self.expect_error(lambda _: handed.append(self.mine.allocate()), None, (MemoryError,), what)
+            builds("full pool", "misuse", "exception type")
+            err = self.expect_error(lambda _: handed.append(self.mine.allocate()), None, (OutOfBlocksError,), what)
             self.log.add(f"a.allocate()  # the pool is full: must raise OutOfBlocksError")
             if err is None:
                 got_b = plain(handed[0]) if handed else None
@@ -170,8 +172,10 @@ class _Run:
                                 expected=f"OutOfBlocksError: all {self.num_blocks} blocks are in use",
                                 got=f"it returned {got_b!r}" + (" (a block that is in use)" if isinstance(got_b, int) else ""),
                                 hint=hint)
-            if not isinstance(err, MemoryError):
-                if isinstance(err, IndexError):
+            if not isinstance(err, OutOfBlocksError):
+                if type(err).__name__ == "OutOfBlocksError":
+                    hint = _own_class("OutOfBlocksError")
+                elif isinstance(err, IndexError):
                     hint = ("the IndexError came from taking a block off an empty free list (popleft() or pop() of an "
                             "empty deque or list): check for an empty free list first and raise OutOfBlocksError "
                             "yourself (from minipaged import OutOfBlocksError); nobody upstream catches IndexError.")
@@ -179,6 +183,11 @@ class _Run:
                     hint = (f"a full pool is not a misuse of a block: {type(err).__name__} (a ValueError, like "
                             "BlockAllocatorError) is for free() or incref() of a free block. Raise OutOfBlocksError "
                             "when the free list is empty: it is the one error the scheduler catches, to preempt a sequence.")
+                elif isinstance(err, MemoryError):
+                    hint = (f"{type(err).__name__} is not OutOfBlocksError (OutOfBlocksError is a MemoryError, not the other "
+                            "way round): the rule names OutOfBlocksError, the error that says the pool is full, while a bare "
+                            "MemoryError says the machine ran out. Raise OutOfBlocksError itself (from minipaged import "
+                            "OutOfBlocksError).")
                 else:
                     hint = (f"raise OutOfBlocksError (from minipaged import OutOfBlocksError), not {type(err).__name__}, "
                             "when the free list is empty: it is the one error the scheduler catches, to preempt a sequence.")
@@ -189,6 +198,8 @@ class _Run:
             return
         free_before = list(self.ref_free_order)
         exp = self.ref.allocate()
+        if exp in self.returned:
+            builds("reused object")  # a block freed earlier is handed out again, to a new holder
         self.ref_free_order.remove(exp)
         got = self.call(self.mine.allocate, what="a.allocate()")
         predicted = {k: (q[-1] if k == "takes_back" else q[0]) for k, q in self.wrong_orders.items() if q}
@@ -232,6 +243,8 @@ class _Run:
         b = rng.choice(self.held)
         self.held.remove(b)
         shared = self.ref.ref_count(b) > 1
+        if shared:
+            builds("shared block")
         self.ref_free(b)
         self.call(self.mine.free, b, what=f"a.free({b})")
         note = f"  # still held {self.ref.ref_count(b)}x" if shared else ""
@@ -246,6 +259,7 @@ class _Run:
     def ref_free(self, b: int) -> None:
         self.ref.free(b)
         if self.ref.ref_count(b) == 0:
+            self.returned.add(b)
             self.ref_free_order.append(b)
             for k, q in self.wrong_orders.items():
                 q.appendleft(b) if k == "frees_front" else q.append(b)
@@ -253,6 +267,7 @@ class _Run:
     def incref(self, rng: random.Random) -> None:
         b = rng.choice(sorted(set(self.held)))
         self.held.append(b)
+        builds("shared block")
         self.ref.incref(b)
         self.call(self.mine.incref, b, what=f"a.incref({b})")
         self.log.add(f"a.incref({b})  # a second table shares block {b}")
@@ -266,7 +281,8 @@ class _Run:
         b = rng.choice(free_blocks)
         fn = self.mine.free if kind == "free" else self.mine.incref
         what = f"a.{kind}({b})"
-        err = self.expect_error(fn, b, (ValueError,), what)
+        builds("misuse", "exception type")
+        err = self.expect_error(fn, b, (BlockAllocatorError,), what)
         self.log.add(f"{what}  # block {b} is free: must raise BlockAllocatorError")
         self.stats["ops"] += 1
         why = ("a double free: two owners think they hold the block, and it would sit in the free list twice "
@@ -278,12 +294,26 @@ class _Run:
                             got="it returned normally",
                             hint=f"this is {why}. Check the ref count first and raise BlockAllocatorError "
                                  "(from minipaged import BlockAllocatorError) with a message that names the block.")
-        if not isinstance(err, ValueError):
+        if not isinstance(err, BlockAllocatorError):
+            fix = "BlockAllocatorError yourself before touching the ref count or the free list."
+            if type(err).__name__ == "BlockAllocatorError":
+                hint = _own_class("BlockAllocatorError")
+            elif isinstance(err, ValueError):
+                hint = (f"{type(err).__name__} is not BlockAllocatorError (BlockAllocatorError is a ValueError, not the "
+                        "other way round): the rule names BlockAllocatorError, the error that says the pool was misused. "
+                        "Raise " + fix)
+            else:
+                hint = "raise " + fix
             raise self.fail(f"{what} on a free block raised the wrong exception.",
-                            expected="BlockAllocatorError (a ValueError)", got=f"{type(err).__name__}: {err}",
-                            hint="raise BlockAllocatorError yourself before touching the ref count or the free list.")
+                            expected="BlockAllocatorError (a ValueError)", got=f"{type(err).__name__}: {err}", hint=hint)
         self.compare(f"{what} (which must change nothing)", op="misuse",
                      hint="check for the misuse BEFORE changing anything: a failed call must leave the allocator as it was.")
+
+
+def _own_class(name: str) -> str:
+    """The hint when the learner raised an exception class of their own that has minipaged's name."""
+    return (f"your {name} is a class of your own with minipaged's name, and the check asks for minipaged's: import "
+            f"it (from minipaged import {name}) instead of defining it.")
 
 
 def _drive(cls, rng: random.Random, run: _Run, n_ops: int, sharing: bool) -> None:
@@ -362,6 +392,7 @@ def _fork_scenario(cls, stats) -> None:
     from .. import parts
 
     r = _Run(cls, 5, 4, "a forked table shares all its blocks (parts.fork_table); each holder frees once", stats)
+    builds("forked table", "shared block")
     for _ in range(3):
         r.allocate()
     tables = {}
@@ -394,9 +425,11 @@ def _check(cls: type, sharing: bool, seed: int, runs: int, timeout: float, title
     stats = {"ops": 0, "runs": 0, "current": "creating the allocator"}
 
     def _body():
+        builds("package code in place")  # every call of the learner's below is watched (run_guarded)
         _scenarios(cls, stats, sharing)
         rng = random.Random(seed)
         for i in range(runs):
+            builds("random stories")
             num_blocks = rng.randint(1, 3 + i)
             block_size = rng.choice([1, 2, 4, 16])
             run = _Run(cls, num_blocks, block_size, f"random run {i + 1} of {runs} (seed {seed})", stats)

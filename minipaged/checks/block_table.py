@@ -1,9 +1,10 @@
 """Checks for workbook 03: a learner's block table against minipaged.BlockTable.
 
 Each side gets its own reference BlockAllocator, so only the table is under test. Both
-are driven through the same seeded appends (often right at a block boundary), slot-mapping
-queries and frees; after every operation every table's blocks and token count, and the
-pool's free count and ref counts, must agree. free() may give the blocks back in any order:
+are driven through the same seeded appends (often right at, just short of or just past a
+block boundary, and up to SmolLM2's max_model_len), slot-mapping queries and frees; after
+every operation every table's blocks and token count, and the pool's free count and ref
+counts, must agree. free() may give the blocks back in any order:
 the check records the order the learner's table gave them back in and frees the reference's
 in that same order, so the block ids handed out later are still compared exactly. A forked
 table (``parts.fork_table``) shares its blocks: free() drops one reference to each.
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from .. import parts
-from ..block_allocator import BlockAllocator
+from ..block_allocator import BlockAllocator, OutOfBlocksError
 from ..block_table import BlockTable
 from ..interfaces import BlockTableProtocol
 from ._core import (
@@ -26,6 +27,7 @@ from ._core import (
     CheckFailed,
     Log,
     _qualname,
+    builds,
     failure,
     fmt_list,
     learner_call,
@@ -36,11 +38,11 @@ from ._core import (
     watching,
 )
 from ._delegation import refuse_package_class, run_guarded
+from ._core import length_situations
 
 NAME = "03 block table"
 LONG = 8192  # SmolLM2's max_model_len (max_position_embeddings): the longest sequence a table serves there
 MUST_WRITE = ("blocks_needed", "append_tokens", "slot_mapping", "free")
-
 
 class _RecordingPool(BlockAllocator):
     """minipaged's pool, recording the order in which blocks are given back (for free() in any order)."""
@@ -55,6 +57,11 @@ class _RecordingPool(BlockAllocator):
 
 
 _n = plural
+
+
+def _scattered(blocks: list) -> bool:
+    """True when a table's physical blocks are not one consecutive run: logical order is not physical order."""
+    return bool(blocks) and blocks != list(range(blocks[0], blocks[0] + len(blocks)))
 
 
 def page_table_picture(exp_blocks: list, got_blocks: list, title: str = "") -> str:
@@ -82,6 +89,8 @@ class _Run:
         self.ref: list[BlockTable | None] = []
         self.mine: list = []
         self.forked: set = set()  # tables made by parts.fork_table: their blocks and num_tokens were set from outside
+        self.freed: set = set()  # tables freed once: used again, the same object holds new blocks
+        self.answered: dict = {}  # (i, start, end) -> the slots t_i.slot_mapping(start, end) last gave, rightly
         for i in range(num_tables):
             self.ref.append(BlockTable(self.ref_alloc))
             self.mine.append(self.call(cls, self.my_alloc, what=f"{cls.__name__}(pool)"))
@@ -230,6 +239,16 @@ class _Run:
             )
 
     # -- operations ------------------------------------------------------------------------
+    def situations(self, i: int, length: int) -> None:
+        """Record what a call on t_i that reaches ``length`` tokens (or positions) puts the learner's table in."""
+        builds(*length_situations(length, self.bs, LONG))
+        if i in self.forked:
+            builds("forked table")
+        if i in self.freed:
+            builds("reused object")
+        if _scattered(self.ref[i].blocks):
+            builds("out-of-order blocks")
+
     def pick_n(self, rng: random.Random, i: int) -> int:
         used = self.ref[i].num_tokens
         to_boundary = (-used) % self.bs
@@ -245,6 +264,7 @@ class _Run:
         return rng.randint(1, 2 * self.bs + 3)
 
     def blocks_needed(self, i: int, n: int) -> None:
+        self.situations(i, self.ref[i].num_tokens + n)
         exp = self.ref[i].blocks_needed(n)
         got = self.call(self.mine[i].blocks_needed, n, what=f"t{i}.blocks_needed({n})")
         if got != exp or isinstance(got, bool):
@@ -268,7 +288,11 @@ class _Run:
         r = self.ref[i]
         need = r.blocks_needed(n)
         what = f"t{i}.append_tokens({n})"
+        self.situations(i, r.num_tokens + n)
+        if n == 0:
+            builds("empty")
         if need > self.ref_alloc.num_free_blocks:
+            builds("full pool", "exception type")
             self.log.add(f"{what}  # needs {need} blocks, only {self.ref_alloc.num_free_blocks} free: must raise OutOfBlocksError")
             self.current = what
             try:
@@ -276,13 +300,21 @@ class _Run:
                     self.mine[i].append_tokens(n)
             except NotImplementedError as e:
                 raise not_implemented(_qualname(e.__traceback__)) from None
-            except MemoryError:
+            except OutOfBlocksError:
                 pass
             except Exception as e:
+                if type(e).__name__ == "OutOfBlocksError":
+                    h = ("your OutOfBlocksError is a class of your own with minipaged's name, and the check asks for "
+                         "minipaged's: import it (from minipaged import OutOfBlocksError) instead of defining it.")
+                elif isinstance(e, MemoryError):
+                    h = (f"{type(e).__name__} is not OutOfBlocksError (OutOfBlocksError is a MemoryError, not the other way "
+                         "round): the rule names OutOfBlocksError, the error that says the pool is full. Raise it yourself "
+                         "(from minipaged import OutOfBlocksError).")
+                else:
+                    h = "check `need > allocator.num_free_blocks` before taking any block and raise OutOfBlocksError."
                 raise self.fail(f"{what} raised the wrong exception when the pool ran out.",
                                 expected="OutOfBlocksError (from minipaged import OutOfBlocksError)",
-                                got=f"{type(e).__name__}: {e}",
-                                hint="check `need > allocator.num_free_blocks` before taking any block and raise OutOfBlocksError.") from e
+                                got=f"{type(e).__name__}: {e}", hint=h) from e
             else:
                 raise self.fail(f"{what} did not raise although the pool is short of blocks.",
                                 expected=f"OutOfBlocksError: {need} blocks needed, {self.ref_alloc.num_free_blocks} free",
@@ -294,6 +326,8 @@ class _Run:
                               "table and the pool stay exactly as they were.")
             return
         exp_new = r.append_tokens(n)
+        if _scattered(r.blocks):  # the new blocks are not the ones right after the old: order matters now
+            builds("out-of-order blocks")
         got_new = self.call(self.mine[i].append_tokens, n, what=what)
         self.log.add(f"{what}  # -> {exp_new} expected; now {_n(r.num_tokens, 'token')} in {_n(len(r.blocks), 'block')}")
         self.stats["ops"] += 1
@@ -309,6 +343,11 @@ class _Run:
     def slots(self, i: int, start: int, end: int) -> None:
         r = self.ref[i]
         what = f"t{i}.slot_mapping({start}, {end})"
+        self.situations(i, end)
+        if start:
+            builds(*length_situations(start, self.bs, LONG))
+        if start == end:
+            builds("empty")
         exp = r.slot_mapping(start, end)
         got = self.call(self.mine[i].slot_mapping, start, end, what=what)
         self.log.add(f"{what}")
@@ -320,7 +359,9 @@ class _Run:
         if got.dtype.is_floating_point or got.dtype == torch.bool:
             raise self.fail(f"{what} returned {got.dtype}; slots index the cache, so they must be integers.",
                             expected="dtype torch.int64", got=str(got.dtype),
-                            hint="use integer ops: // and %, not /.")
+                            hint=("an empty range has no slots, and torch.tensor([]) is float32 unless you give it "
+                                  "dtype=torch.int64." if start == end and got.dtype == torch.float32
+                                  else "use integer ops: // and %, not /."))
         if tuple(got.shape) != tuple(exp.shape):
             h = self.fork_hint(i, "slot_mapping", start, end)
             n_got = got.shape[0] if got.dim() == 1 else None
@@ -351,8 +392,13 @@ class _Run:
             blk, off = p // self.bs, p % self.bs
             gv = int(got[k])
             fork_h = self.fork_hint(i, "slot_mapping", start, end)
+            before = self.answered.get((i, start, end))
             if fork_h:
                 h = fork_h
+            elif i in self.freed and before is not None and got.long().tolist() == before:
+                h = (f"these are the slots t{i}.slot_mapping({start}, {end}) gave before t{i} was freed; since then it grew "
+                     "again in other blocks. Something keeps answers from before (a memo keyed by the range, by the "
+                     "table or by id()): compute the slots from self.blocks and self.num_tokens as they are now.")
             elif gv == p:
                 h = ("your slot equals the position itself: the table was not used. The slot lives in the PHYSICAL block: "
                      "blocks[pos // block_size] * block_size + pos % block_size.")
@@ -370,11 +416,16 @@ class _Run:
                      ["physical block"] + [str(b) for b in r.blocks]]),
                 hint=h,
             )
+        self.answered[(i, start, end)] = exp.tolist()
 
     def free(self, i: int) -> None:
         what = f"t{i}.free()"
         held = list(self.ref[i].blocks)
         shared = [b for b in held if self.ref_alloc.ref_count(b) > 1]
+        if shared:
+            builds("shared block")
+        if not held:
+            builds("empty")
         self.my_alloc.freed = []
         self.call(self.mine[i].free, what=what)
         order = list(self.my_alloc.freed)
@@ -386,6 +437,7 @@ class _Run:
             self.ref[i].num_tokens = 0
         else:
             self.ref[i].free()
+        self.freed.add(i)
         note = f"; blocks {shared} stay held by another table" if shared else ""
         self.log.add(f"{what}  # gives back {held}{note}")
         self.stats["ops"] += 1
@@ -398,6 +450,9 @@ class _Run:
         """t_new = parts.fork_table(t_i) on both sides: a second table sharing every block of t_i."""
         j = fork_both(self, i, "parts.fork_table", ": each ref count is now 2")
         self.forked.add(j)
+        builds("forked table")
+        if self.ref[i].blocks:
+            builds("shared block")
         self.compare(f"t{j} = parts.fork_table(t{i})", i_focus=j)
 
 
@@ -421,6 +476,7 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
     stats = {"ops": 0, "runs": 0, "current": f"creating a {cls.__name__}"}
 
     def _body():
+        builds("package code in place")  # every call of the learner's below is watched (run_guarded)
         # Fixed stories first: they are short, so their failure messages are easy to read.
         r = _Run(cls, 6, 4, 1, "block size 4: 4 tokens fill one block exactly, the 5th opens a second", stats)
         for n in (0, 1, 3, 4, 5):
@@ -439,6 +495,18 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
             r6.append(1, 3)
             r6.blocks_needed(1, 4)
             r6.append(1, 4)
+            r8 = _Run(cls, LONG // 16 + 1, 16, 2, f"in blocks of 16, t0 grows to {LONG} tokens (SmolLM2's max_model_len) "
+                      "beside t1's block, until the pool is full", stats)
+            for n in (15, 16, 17):  # 16 tokens in blocks of 16 fill exactly one block
+                r8.blocks_needed(0, n)
+            r8.append(0, 16)
+            r8.append(1, 1)  # t1 takes the next block, so t0's blocks are not one run
+            r8.blocks_needed(0, LONG - 17)
+            r8.append(0, LONG - 17)  # one short of max_model_len: every block of the pool is taken
+            r8.blocks_needed(0, 1)
+            r8.append(0, 1)  # exactly max_model_len: the last block fills, no new one
+            r8.blocks_needed(1, 16)
+            r8.append(1, 16)  # t1 needs a second block: the pool has none
         if part in ("slots", "free"):
             r2 = _Run(cls, 8, 4, 2, "two tables interleave, so their blocks are not in order", stats)
             r2.append(0, 3)
@@ -447,6 +515,7 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
             r2.slots(0, 0, 9)
             r2.slots(1, 2, 5)
             r2.slots(0, 4, 9)
+            r2.slots(0, 4, 4)  # an empty range: no slots, still an int64 tensor
             r5 = _Run(cls, 8, 4, 1, "a forked table (parts.fork_table) maps positions through the blocks it shares", stats)
             r5.append(0, 6)
             r5.fork(0)
@@ -458,13 +527,16 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
                 r2.free(1)
                 r2.append(0, 8)
                 r2.free(0)
-                r4 = _Run(cls, 8, 4, 1, "a forked table shares its blocks (parts.fork_table): free() drops one reference each", stats)
+                r4 = _Run(cls, 8, 4, 1, "a forked table shares its blocks (parts.fork_table): free() drops one reference "
+                          "each; t0 is used again after its free()", stats)
                 r4.append(0, 6)
+                r4.slots(0, 0, 5)
                 r4.fork(0)
                 r4.free(0)
                 r4.append(1, 3)
                 r4.free(1)
-                r4.append(0, 5)
+                r4.append(0, 5)  # the same t0 again, with new blocks: nothing kept from before its free() may answer
+                r4.slots(0, 0, 5)
         if part == "slots":
             r7 = _Run(cls, LONG // 16 + 3, 16, 2,
                       f"a sequence of {LONG} tokens (SmolLM2's max_model_len) in blocks of 16, after another table's 2 blocks",
@@ -479,6 +551,7 @@ def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: st
         r3.append(0, 4)
         rng = random.Random(seed)
         for k in range(runs):
+            builds("random stories")
             bs = rng.choice([1, 2, 4, 8, 16])
             num_tables = rng.randint(1, 3)
             pool = rng.randint(2, 4 + k)

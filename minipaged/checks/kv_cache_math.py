@@ -1,8 +1,9 @@
 """Checks for workbook 01: KV-cache arithmetic (bytes per token and per sequence, how many
 sequences fit a budget, contiguous vs paged) against the formulas of minipaged.kv_cache.
 
-Each function is tried on real model shapes and on seeded random ones, with sequence lengths
-right at block boundaries; a wrong number is explained by which factor it is off by.
+Each function is tried on real model shapes (2, 4 and 1 bytes a number) and on seeded random
+ones, with sequence lengths one short of, right at and one past block boundaries and at the
+model's max_model_len; a wrong number is explained by which factor it is off by.
 """
 from __future__ import annotations
 
@@ -10,20 +11,10 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from ._core import DEFAULT_TIMEOUT_S, failure, learner_call, passed, plural, run_with_time_limit
+from ._core import DEFAULT_TIMEOUT_S, builds, failure, learner_call, length_situations, passed, plural
+from ._delegation import run_guarded
 
 NAME = "01 KV-cache math"
-
-
-def _watched(body: Callable) -> Callable:
-    """``body`` with the learner's calls watched for calls into minipaged's own KV arithmetic."""
-    from ._delegation import guarded
-
-    def run():
-        with guarded("01", NAME):
-            return body()
-
-    return run
 
 
 def _refuse(*named: tuple) -> None:
@@ -49,6 +40,8 @@ SMOLLM2_135M = ModelShape("SmolLM2-135M-Instruct (bf16)", num_layers=30, num_kv_
 LLAMA3_8B = ModelShape("Llama-3-8B (bf16)", num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
 TINY_FP32 = ModelShape("a tiny fp32 test model", num_layers=2, num_kv_heads=1, head_dim=8, dtype_bytes=4, max_model_len=64)
 MODELS = [SMOLLM2_135M, LLAMA3_8B, TINY_FP32]
+# One byte a number (workbook 04's int8 KV cache): with it the checks try every element size, 4, 2 and 1 bytes.
+SMOLLM2_INT8 = ModelShape("SmolLM2-135M-Instruct (int8 KV cache)", num_layers=30, num_kv_heads=3, head_dim=64, dtype_bytes=1)
 
 
 # -- the reference formulas ---------------------------------------------------------------------
@@ -71,11 +64,12 @@ def ref_max_seqs_paged(m, budget_bytes: int, num_tokens: int, block_size: int) -
 
 def _shapes(seed: int, n: int) -> list[ModelShape]:
     rng = random.Random(seed)
-    out = list(MODELS)
+    out = MODELS + [SMOLLM2_INT8]
     for i in range(n):
         out.append(ModelShape(f"random model {i + 1}", rng.randint(1, 48), rng.choice([1, 2, 4, 8]),
                               rng.choice([32, 64, 80, 128]), rng.choice([2, 4]), rng.choice([2048, 4096, 8192])))
     return out
+
 
 
 def _m(m: ModelShape) -> str:
@@ -147,21 +141,39 @@ def _factor_hint(got, exp: int, m: ModelShape, probe: Callable | None = None) ->
             + "; or ".join(f[2] for f in found) + ". " + general)
 
 
+def _factors_differ(m: ModelShape) -> bool:
+    """True when no factor of bytes_per_token is 1 or equals another, so a missing one shows alone."""
+    factors = [2, m.num_layers, m.num_kv_heads, m.head_dim, m.dtype_bytes]
+    return 1 not in factors and len(set(factors)) == len(factors)
+
+
 def check_bytes_per_token(bytes_per_token: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     _refuse((bytes_per_token, "bytes_per_token"))
+    shapes = _shapes(0, 10) + [PROBE]  # PROBE last: the real shapes' messages come first
+
     def body():
-        for m in _shapes(0, 10):
+        sizes = set()
+        for m in shapes:
+            if _factors_differ(m):
+                builds("distinct factors")
+            sizes.add(m.dtype_bytes)
+            if sizes >= {1, 2, 4}:
+                builds("each dtype")
             exp = ref_bytes_per_token(m)
             got = learner_call(bytes_per_token, m, what=f"bytes_per_token({m.name})")
             title = f"{NAME}: bytes_per_token is wrong for {m.name}."
             _int_result(title, got, exp, _m(m), "")
+            if got != exp and m.dtype_bytes != 2 and got == exp // m.dtype_bytes * 2:
+                raise failure(title, done=_m(m), expected=f"{exp:,} bytes per token", got=f"{got!r}",
+                              hint=f"yours is the answer for 2 bytes a number, but this shape has dtype_bytes="
+                                   f"{m.dtype_bytes}: multiply by m.dtype_bytes, never assume 2.")
             if got != exp:
                 raise failure(title, done=_m(m), expected=f"{exp:,} bytes per token", got=f"{got!r}",
                               hint=_factor_hint(got, exp, m, probe=bytes_per_token))
 
-    run_with_time_limit(_watched(body), timeout, NAME, lambda: "bytes_per_token(...)")
+    run_guarded("01", NAME, body, timeout, {"current": "bytes_per_token(...)"})
     b = ref_bytes_per_token(SMOLLM2_135M)
-    passed(f"bytes_per_token: right for {len(MODELS) + 10} model shapes. SmolLM2-135M keeps {b:,} bytes "
+    passed(f"bytes_per_token: right for {len(shapes)} model shapes (2, 4 and 1 bytes a number). SmolLM2-135M keeps {b:,} bytes "
            f"({b / 1024:.1f} KiB) of KV per token; Llama-3-8B {ref_bytes_per_token(LLAMA3_8B) // 1024} KiB.")
 
 
@@ -171,7 +183,9 @@ def check_bytes_per_sequence(bytes_per_sequence: Callable, timeout: float = DEFA
         rng = random.Random(1)
         for m in _shapes(1, 6):
             for bs in (1, 16, rng.choice([4, 8, 32])):
-                for n in sorted({1, bs, bs + 1, 2 * bs, rng.randint(1, 600)}):
+                # One short of, at and one past the block boundaries, and the model's whole context.
+                for n in sorted({1, bs - 1, bs, bs + 1, 2 * bs, rng.randint(1, 600), m.max_model_len} - {0}):
+                    builds(*length_situations(n, bs, m.max_model_len))
                     exp = ref_bytes_per_sequence(m, n, bs)
                     what = f"bytes_per_sequence({m.name}, num_tokens={n}, block_size={bs})"
                     got = learner_call(bytes_per_sequence, m, n, bs, what=what)
@@ -193,8 +207,9 @@ def check_bytes_per_sequence(bytes_per_sequence: Callable, timeout: float = DEFA
                     raise failure(title, done=desc, expected=f"{exp:,} bytes ({plural(blocks, 'block')} of {bs} slots)",
                                   got=f"{got!r}", hint=h)
 
-    run_with_time_limit(_watched(body), timeout, NAME, lambda: "bytes_per_sequence(...)")
-    passed("bytes_per_sequence: right for every model, block size and length tried (1 token, a full block, one past it).")
+    run_guarded("01", NAME, body, timeout, {"current": "bytes_per_sequence(...)"})
+    passed("bytes_per_sequence: right for every model, block size and length tried (1 token, one short of a full block, "
+           "a full block, one past it, the model's max_model_len).")
 
 
 def check_max_seqs(max_seqs_contiguous: Callable, max_seqs_paged: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -206,6 +221,9 @@ def check_max_seqs(max_seqs_contiguous: Callable, max_seqs_paged: Callable, time
             budgets = [bpt * m.max_model_len * 3, bpt * m.max_model_len * 3 - 1, bpt * 16 * 5, 8 * 2**30,
                        rng.randint(1, 40) * 2**30, bpt * 7]
             for budget in budgets:
+                builds("max_model_len")  # the contiguous cache reserves the model's whole context for each sequence
+                if budget % (m.max_model_len * bpt):
+                    builds("budget remainder")
                 exp = ref_max_seqs_contiguous(m, budget, m.max_model_len)
                 what = f"max_seqs_contiguous({m.name}, budget_bytes={budget:_}, max_model_len={m.max_model_len})"
                 got = learner_call(max_seqs_contiguous, m, budget, m.max_model_len, what=what)
@@ -216,7 +234,10 @@ def check_max_seqs(max_seqs_contiguous: Callable, max_seqs_paged: Callable, time
                                   hint=("a contiguous cache reserves max_model_len slots for every sequence up front, "
                                         "whatever its real length: budget // (max_model_len * bytes_per_token)."))
                 for bs in (16, rng.choice([1, 8, 32])):
-                    for n in sorted({1, bs, bs + 1, rng.randint(1, m.max_model_len)}):
+                    for n in sorted({1, bs - 1, bs, bs + 1, rng.randint(1, m.max_model_len), m.max_model_len} - {0}):
+                        builds(*length_situations(n, bs, m.max_model_len))
+                        if budget % (-(-n // bs) * bs * bpt):
+                            builds("budget remainder")
                         exp = ref_max_seqs_paged(m, budget, n, bs)
                         what = f"max_seqs_paged({m.name}, budget_bytes={budget:_}, num_tokens={n}, block_size={bs})"
                         got = learner_call(max_seqs_paged, m, budget, n, bs, what=what)
@@ -236,7 +257,7 @@ def check_max_seqs(max_seqs_contiguous: Callable, max_seqs_paged: Callable, time
                                  f"sequence = ceil({n} / {bs}) = {blocks}; sequences = {pool} // {blocks}.")
                         raise failure(title, done=_m(m), expected=f"{exp} sequences", got=f"{got!r}", hint=h)
 
-    run_with_time_limit(_watched(body), timeout, NAME, lambda: "max_seqs_...(...)")
+    run_guarded("01", NAME, body, timeout, {"current": "max_seqs_...(...)"})
     m, budget = SMOLLM2_135M, 2 * 2**30
     c = ref_max_seqs_contiguous(m, budget, m.max_model_len)
     p = ref_max_seqs_paged(m, budget, 300, 16)

@@ -7,8 +7,10 @@ connector that saves and loads through it) against minipaged's reference host ti
 ``check_connector``: the learner's connector and minipaged's ``HostOffloadConnector`` are driven as
 the engine drives them (minipaged.kv_connector draws the step), over two small KV caches whose
 blocks the check "computes" itself: prompts prefilled whole or in chunks, decode steps, requests
-that end, prompts that come back after their device blocks were dropped. After every call the
-matched token counts and both KV caches must agree.
+that end, prompts that come back after their device blocks were dropped, a prefix whose middle block
+the store evicted, token ids past 16 bits beside their 16-bit aliases, a finished request's Sequence
+handed in again changed in place, and a prompt of SmolLM2's whole context (2,048 tokens). After every
+call the matched token counts and both KV caches must agree.
 
 ``check_serving``: the learner's connector is plugged into the engine (``LLMEngine(kv_connector=...)``,
 ``minipaged.parts.check_part`` first) and serves SmolLM2 with a device pool too small for the
@@ -29,9 +31,11 @@ import torch
 from ..kv_connector import HostKVStore, HostOffloadConnector, KVLayout
 from ._core import (
     DEFAULT_TIMEOUT_S,
+    SITUATIONS,
     CheckFailed,
     Log,
     Story,
+    builds,
     failure,
     fmt_list,
     is_stub,
@@ -41,12 +45,23 @@ from ._core import (
     run_with_time_limit,
 )
 from ._delegation import guarded, refuse_package_class, run_guarded
+from ._core import length_situations
 
 NAME = "12 KV connector"
 STORE_MEMBERS = ("__contains__", "__len__", "get", "put")
 CONNECTOR_MEMBERS = ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished", "start_load_kv",
                      "save_kv")
 SENTINEL = -7.0  # what a device block holds before anything is computed or loaded into it
+MAX_MODEL_LEN = 2048  # SmolLM2's context: the longest prompt the engine hands a connector
+# The situations of workbook 12's rules that _core's vocabulary does not name (issue 40).
+SITUATIONS.update({
+    "device prefix hit": "a request whose first blocks are a hit of the device prefix cache (num_computed_tokens > 0), "
+                         "so the host tier's blocks come after them",
+    "chunked prefill": "a prompt prefilled in chunks, so a block's tokens are all known before its K/V is all computed",
+    "request id again": "a request id that comes back with other tokens after request_finished",
+    "used again": "a stored block used again (a get, or a put of it) before the store must evict, so the least "
+                  "recently used block is not the first stored",
+})
 
 
 def _refuse_reference(store_cls: Any = None, conn_cls: Any = None) -> None:
@@ -91,6 +106,12 @@ class _StoreRun(Story):
 
     def put(self, i: int) -> None:
         full = len(self.ref) == self.capacity and _h(i) not in self.ref
+        if full:
+            builds("full pool")
+        elif _h(i) in self.ref:
+            builds("used again")
+        elif not len(self.ref):
+            builds("empty")
         lru = self.ref.lru_order()
         exp = self.ref.put(_h(i))
         self.names[_h(i)] = i
@@ -118,6 +139,8 @@ class _StoreRun(Story):
         self.compare(what)
 
     def get(self, i: int) -> None:
+        if _h(i) in self.ref:
+            builds("used again")
         exp = self.ref.get(_h(i))
         what = f"s.get(h({i}))"
         self.log.add(f"{what}  # -> {exp} expected")
@@ -147,6 +170,7 @@ def check_store(store_cls: type, seed: int = 0, runs: int = 30, timeout: float =
     stats = {"ops": 0, "current": "creating your store"}
 
     def body():
+        builds("package code in place")
         r = _StoreRun(store_cls, 3, "fill, then one more: the least recently used goes", stats)
         for i in (0, 1, 2, 3):
             r.put(i)
@@ -164,6 +188,7 @@ def check_store(store_cls: type, seed: int = 0, runs: int = 30, timeout: float =
             r.put(i)
         rng = random.Random(seed)
         for k in range(runs):
+            builds("random stories")
             r = _StoreRun(store_cls, rng.randint(1, 5), f"random run {k + 1} of {runs} (seed {seed})", stats)
             for _ in range(12 + k):
                 x, i = rng.random(), rng.randrange(8)
@@ -225,9 +250,18 @@ class _ConnRun(Story):
                                  what=f"{cls.__name__}(layout, None, capacity_blocks={capacity})")
         self.caches = (_new_cache(self.layout, num_blocks), _new_cache(self.layout, num_blocks))
         self.num_blocks, self.next_block = num_blocks, 0
+        self.seq_ids: set = set()  # the request ids admitted so far
+        stats["stories"] = stats.get("stories", 0) + 1
 
-    def _seqs(self, seq_id: str, tokens: list) -> tuple[_Seq, _Seq]:
-        return _Seq(seq_id, list(tokens)), _Seq(seq_id, list(tokens))
+    def _seqs(self, seq_id: str, tokens: list, reuse: tuple | None) -> tuple[_Seq, _Seq]:
+        """A new Sequence on each side; or ``reuse``'s, changed in place (their token lists and block tables too)."""
+        if reuse is None:
+            return _Seq(seq_id, list(tokens)), _Seq(seq_id, list(tokens))
+        for s in reuse:
+            s.seq_id, s.is_finished = seq_id, False
+            s.token_ids[:] = tokens
+            s.block_table.blocks[:] = []
+        return reuse
 
     def _fresh_block(self) -> int:
         b = self.next_block % self.num_blocks
@@ -242,10 +276,10 @@ class _ConnRun(Story):
         seq = pair[0]
         for p in range(start, start + n):
             b, off = seq.block_table.blocks[p // self.bs], p % self.bs
-            for cache in self.caches:
-                for layer in range(self.layout.num_layers):
-                    cache.k[layer][b, off] = _kv_value(seq.token_ids, p, layer, 0)
-                    cache.v[layer][b, off] = _kv_value(seq.token_ids, p, layer, 1)
+            for layer in range(self.layout.num_layers):
+                k, v = _kv_value(seq.token_ids, p, layer, 0), _kv_value(seq.token_ids, p, layer, 1)
+                for cache in self.caches:
+                    cache.k[layer][b, off], cache.v[layer][b, off] = k, v
 
     def _same_caches(self, after: str, hint: str) -> None:
         ref, mine = self.caches
@@ -274,6 +308,7 @@ class _ConnRun(Story):
                 b = self._fresh_block()
                 ref_seq.block_table.blocks[i] = my_seq.block_table.blocks[i] = b
         self._compute(pair, start, n)
+        builds(*length_situations(start + n, self.bs, MAX_MODEL_LEN))  # the positions computed after this step
         call = f"c.save_kv(kv_cache, [ScheduledSeq({ref_seq.seq_id!r}, start={start}, num_new_tokens={n})])"
         self.log.add(f"# {what or 'a step'} computes positions {start}..{start + n - 1} of {ref_seq.seq_id!r} "
                      f"(blocks {ref_seq.block_table.blocks})")
@@ -283,22 +318,31 @@ class _ConnRun(Story):
         self.stats["ops"] += 1
 
     def admit(self, seq_id: str, tokens: list, device_hit: list | None = None, chunk: int | None = None,
-              decode: int = 0) -> tuple:
+              decode: int = 0, reuse: tuple | None = None, why: str = "") -> tuple:
         """A request admitted as the engine admits it: the device prefix cache's hit (``device_hit``: device
         blocks of an earlier request's prefix), the connector's match, its load, then the prefill (in chunks
-        of ``chunk`` tokens) and ``decode`` decode steps."""
-        pair = self._seqs(seq_id, tokens)
+        of ``chunk`` tokens) and ``decode`` decode steps. ``reuse``: a finished request's Sequences, handed in
+        again changed in place; ``why``: the hint should the match be wrong here (what the story is about)."""
+        pair = self._seqs(seq_id, tokens, reuse)
         hit = list(device_hit or [])
         computed = len(hit) * self.bs
         for s in pair:
-            s.block_table.blocks = list(hit)
+            s.block_table.blocks[:] = hit
+        builds(*length_situations(len(tokens), self.bs, MAX_MODEL_LEN))
+        if computed:
+            builds("device prefix hit")
+        if seq_id in self.seq_ids:
+            builds("request id again")
+        if reuse is not None:
+            builds("reused object")
+        self.seq_ids.add(seq_id)
         what = f"c.get_num_new_matched_tokens(Sequence({seq_id!r}, {fmt_list(tokens)}), {computed})"
         exp = self.ref.get_num_new_matched_tokens(pair[0], computed)
         got = self.call(self.mine.get_num_new_matched_tokens, pair[1], computed, what=what)
         self.log.add(f"{what}  # -> {exp} expected")
         if got != exp:
             raise self.fail(f"{what} returned another count.", expected=repr(exp), got=repr(got),
-                            hint=self._match_hint(tokens, computed, exp, got))
+                            hint=self._match_hint(tokens, computed, exp, got, why))
         self.stats["ops"] += 1
         if exp > 0:
             new = [self._fresh_block() for _ in range(exp // self.bs)]
@@ -319,6 +363,8 @@ class _ConnRun(Story):
         pos, end = computed + exp, len(tokens)
         while pos < end:
             n = min(chunk or end, end - pos)
+            if n < end - pos:
+                builds("chunked prefill")
             self.step(pair, pos, n, "a prefill chunk" if chunk else "the prefill")
             pos += n
         for k in range(decode):
@@ -329,12 +375,14 @@ class _ConnRun(Story):
             pos += 1
         return pair
 
-    def _match_hint(self, tokens, computed, exp, got) -> str:
+    def _match_hint(self, tokens, computed, exp, got, why: str = "") -> str:
         bs = self.bs
         if not isinstance(got, int):
             return "return a number of tokens (an int): whole blocks, 0 for none."
         if isinstance(got, int) and got % bs:
             return f"count whole blocks: the answer is a multiple of block_size ({bs})."
+        if why:
+            return why
         if got == exp + computed and computed:
             return ("the first num_computed_tokens are the device prefix cache's hit: count only the stored blocks "
                     "AFTER them (from block num_computed_tokens // block_size on), and return only those tokens.")
@@ -356,6 +404,15 @@ class _ConnRun(Story):
 
 
 def _connector_stories(cls: type, stats: dict) -> None:
+    # First, so that an answer kept by id() is named here: later stories free Sequences whose ids new ones may get.
+    r = _ConnRun(cls, 2, 8, 24, "a finished request's Sequence handed in again as a new request, changed in place "
+                 "(the same object, another id and other tokens)", stats)
+    old = r.admit("o", [1, 2, 3, 4, 5])
+    r.finish(old)
+    r.finish(r.admit("o2", [7, 8, 9, 10, 11], reuse=old, why=(
+        "this Sequence is the object handed in before as request 'o' (finished), changed in place since: its seq_id, "
+        "token list and block table. Anything kept by id() of the Sequence or of its token list belongs to what it "
+        "held before: keep what you keep for a request under seq.seq_id, and hash the tokens it holds now.")))
     a = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # 2 whole blocks of 4, and 3 tokens more
     r = _ConnRun(cls, 4, 8, 16, "a prompt comes back: its blocks are loaded from the host tier", stats)
     r.finish(r.admit("a", a, decode=2))
@@ -396,6 +453,27 @@ def _connector_stories(cls: type, stats: dict) -> None:
         r.finish(r.admit(f"f{i}", [100 + i] * 5))
     for i in (3, 0):
         r.finish(r.admit(f"f{i}b", [100 + i] * 6))
+    # Last, so that every rule above is named on its own story first.
+    r = _ConnRun(cls, 2, 3, 24, "a prefix whose middle block was evicted: the match stops there, before a stored block",
+                 stats)
+    p = [1, 2, 3, 4, 5, 6, 7]
+    r.finish(r.admit("p", p))  # blocks 0, 1 and 2 stored: the store is full
+    r.finish(r.admit("t", p[:2] + [99, 98, 97]))  # block 0 used again, then a new block 1 evicts p's block 1
+    builds("evicted middle block")
+    r.finish(r.admit("p2", p + [8]))
+    r = _ConnRun(cls, 2, 8, 24, "token ids of a real vocabulary (up to 151,000) beside their 16-bit aliases", stats)
+    builds("ids past 16 bits")
+    r.finish(r.admit("big", [70_000, 151_000, 65_537, 99_999, 5]))
+    r.finish(r.admit("alias", [70_000 - 65_536, 151_000 - 131_072, 65_537 - 65_536, 99_999 - 65_536, 5], why=(
+        "these ids are the ones stored before, each less a multiple of 65,536: other tokens, other blocks. Hash every "
+        "token id whole (full_block_hashes takes the ids as they are; ids go up to 151,000 in a real vocabulary): an "
+        "id narrowed to 16 bits (int16, uint16, array('H')) matches another request's blocks.")))
+    r.finish(r.admit("big2", [70_000, 151_000, 65_537, 99_999, 7]))
+    r = _ConnRun(cls, 16, 160, 288, f"a prompt as long as SmolLM2's context ({MAX_MODEL_LEN} tokens, blocks of 16), "
+                 "then again", stats)
+    context = [(i * 7919) % 49_152 for i in range(MAX_MODEL_LEN)]  # ids across SmolLM2's vocabulary
+    r.finish(r.admit("long", context))
+    r.finish(r.admit("long2", context))
 
 
 def check_connector(conn_cls: type, seed: int = 0, runs: int = 20, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -404,9 +482,11 @@ def check_connector(conn_cls: type, seed: int = 0, runs: int = 20, timeout: floa
     stats = {"ops": 0, "current": "creating your connector"}
 
     def body():
+        builds("package code in place")
         _connector_stories(conn_cls, stats)
         rng = random.Random(seed)
         for k in range(runs):
+            builds("random stories")
             bs = rng.choice([1, 2, 4])
             r = _ConnRun(conn_cls, bs, rng.randint(1, 10), 64, f"random run {k + 1} of {runs} (seed {seed})", stats)
             prefixes = [[rng.randrange(200) for _ in range(rng.randint(1, 3 * bs))] for _ in range(2)]
@@ -416,8 +496,8 @@ def check_connector(conn_cls: type, seed: int = 0, runs: int = 20, timeout: floa
                 r.finish(r.admit(f"r{j}", tokens, chunk=chunk, decode=rng.randint(0, bs + 1)))
 
     run_guarded("12", NAME, body, timeout, stats)
-    passed(f"KV connector: 9 stories and {runs} random runs, {stats['ops']} calls; every matched count and both KV caches "
-           "after every load matched minipaged's HostOffloadConnector.")
+    passed(f"KV connector: {stats['stories'] - runs} stories and {runs} random runs, {stats['ops']} calls; every matched "
+           "count and both KV caches after every load matched minipaged's HostOffloadConnector.")
 
 
 # -- serving ---------------------------------------------------------------------------------------------
@@ -491,6 +571,7 @@ def check_serving(conn_cls: type, timeout: float = 600) -> None:
                 _BASELINES[key] = (clean, want, ref.stats()["kv_connector"]["host_hit_tokens"])
             clean, want, exp_hits = _BASELINES[key]
             with guarded("12", NAME):
+                builds("package code in place")
                 try:
                     got, mine = serve("the engine with your connector", kv_connector=conn_cls)
                 except CheckFailed:

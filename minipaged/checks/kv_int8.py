@@ -17,13 +17,20 @@ from torch.overrides import TorchFunctionMode
 from .. import kv_quant
 from ..attention.reference import gather_kv as ref_gather_kv
 from ..attention.reference import paged_attention as ref_paged_attention
-from ._core import DEFAULT_TIMEOUT_S, failure, fmt_list, learner_call, passed
+from ._core import DEFAULT_TIMEOUT_S, SITUATIONS, builds, failure, fmt_list, learner_call, passed
 from ._delegation import refuse_package_function, run_guarded
-from .paged_attention import Case, attention_cases, compare_case, make_case
+from .paged_attention import MAX_MODEL_LEN, Case, attention_cases, compare_case, make_case, reused_cases, situations_of
 
 NAME = "04 int8 KV pages"
 INT8 = kv_quant.FORMATS["int8"]
 QMAX = int(INT8.qmax)  # 127
+SITUATIONS.update({
+    "own scale per block": "blocks of their own magnitudes (each block and KV head, in the quantize cases), so one "
+                           "scale shared by all, or another block's, shows",
+})
+# Added to a hint where a case hands in again the tensors of a call before, changed in place since.
+_AGAIN = (" (These are the tensors of a call before, changed in place and handed in again: work from what they hold "
+          "now, and keep nothing between calls keyed on id() or data_ptr().)")
 
 
 # -- minipaged's own int8 pages, the reference ------------------------------------------------------------
@@ -104,24 +111,44 @@ def check_quantize(block_scales: Callable, quantize: Callable, dequantize: Calla
     refuse_package_function(block_scales, NAME, "block_scales")
     refuse_package_function(quantize, NAME, "quantize")
     refuse_package_function(dequantize, NAME, "dequantize")
-    state = {"current": "block_scales(x)"}
     zero = _blocks(41)
     zero[1] = 0.0  # a whole block of zeros
     zero[2, :, 0] = 0.0  # and one KV head of another block
-    cases = [("3 blocks of 4 slots, 2 KV heads, head_dim 8; each (block, head) of its own magnitude", _blocks(40), None),
-             ("block size 16, 4 KV heads, head_dim 16", _blocks(42, n=2, bs=16, h=4, d=16), None),
-             ("block 1 all zeros, and KV head 0 of block 2 (nothing written there yet)", zero, None),
+    # (what, the blocks, given scales or None, its situations beyond "own scale per block"); the last case hands in
+    # the first case's tensors again, new blocks written into them in place
+    cases = [("3 blocks of 4 slots, 2 KV heads, head_dim 8; each (block, head) of its own magnitude", _blocks(40), None,
+              ()),
+             ("block size 16, 4 KV heads, head_dim 16", _blocks(42, n=2, bs=16, h=4, d=16), None, ()),
+             ("block 1 all zeros, and KV head 0 of block 2 (nothing written there yet)", zero, None,
+              ("numerical edge",)),
              ("given scales of 0.05 (a layer's fixed scale, as fp8's): values up to about 600 times the scale",
-              _blocks(43, size=3.0), torch.full((3, 2), 0.05))]
+              _blocks(43, size=3.0), torch.full((3, 2), 0.05), ("numerical edge",)),
+             ("the first case's tensors x, scales and q, handed in again with new blocks written into them in place",
+              _blocks(44), None, ("reused object",))]
+    held: dict = {}  # the first case's tensors, as handed to each function
+    state = {"current": "block_scales(x)"}
+
+    def hand(key: str, t: torch.Tensor, again: bool) -> torch.Tensor:
+        """``t`` for the learner: a copy, or (``again``) written into the first case's tensor ``key``."""
+        if again:
+            return held[key].copy_(t)
+        mine = t.clone()
+        held.setdefault(key, mine)
+        return mine
 
     def _body():
-        for what_case, x, given in cases:
+        builds("package code in place")
+        for what_case, x, given, situations in cases:
+            again = "reused object" in situations
+            builds(*situations)
+            note = _AGAIN if again else ""
             ref = ref_pages(x)
             exp_q, exp_s = _plain(ref)
             desc = f"x of shape {tuple(x.shape)} (num_blocks, block_size, num_kv_heads, head_dim): {what_case}"
             if given is None:
+                builds("own scale per block")
                 state["current"] = what = "block_scales(x)"
-                got_s = learner_call(block_scales, x.clone(), what=what)
+                got_s = learner_call(block_scales, hand("block_scales x", x, again), what=what)
                 if not isinstance(got_s, torch.Tensor) or tuple(got_s.shape) != tuple(exp_s.shape):
                     raise failure(f"{NAME}: {what} has the wrong shape.", done=desc,
                                   expected=f"a tensor of shape {tuple(exp_s.shape)} = (num_blocks, num_kv_heads)",
@@ -135,7 +162,8 @@ def check_quantize(block_scales: Callable, quantize: Callable, dequantize: Calla
                             f"scales[b, h] = max |x[b, :, h, :]| / {QMAX}: the largest magnitude over the block's slots and "
                             f"head_dim of that one KV head, mapped to int8's largest, {QMAX}.")
                     raise failure(f"{NAME}: {what}: the scale of block {b}, KV head {h} differs.", done=desc,
-                                  expected=f"{float(exp_s[b, h]):.6g}", got=f"{float(got_s[b, h]):.6g}", hint=hint)
+                                  expected=f"{float(exp_s[b, h]):.6g}", got=f"{float(got_s[b, h]):.6g}",
+                                  hint=hint + note)
                 scales = exp_s
             else:
                 scales = given.clone()
@@ -144,7 +172,8 @@ def check_quantize(block_scales: Callable, quantize: Callable, dequantize: Calla
             state["current"] = what
             watch = _NaNWatch()
             with watch:
-                got_q = learner_call(quantize, x.clone(), scales.clone(), what=what)
+                got_q = learner_call(quantize, hand("quantize x", x, again),
+                                     hand("quantize scales", scales, again), what=what)
             if watch.made is not None:
                 raise failure(f"{NAME}: {what} made a NaN (torch.{watch.made}) on case \"{what_case}\".", done=desc,
                               expected="no NaN at any step: an all-zero (block, head) has scale 0, and its values are stored as 0",
@@ -165,23 +194,25 @@ def check_quantize(block_scales: Callable, quantize: Callable, dequantize: Calla
                               expected=f"{int(exp_q[tuple(bad)])} (x = {float(x[tuple(bad)]):.5g}, scale "
                                        f"{float(scales[bad[0], bad[2]]):.5g})",
                               got=f"{int(got_q[tuple(bad)])}; {int((got_q != exp_q).sum())} of {exp_q.numel()} values differ",
-                              hint=_quantize_hint(x, scales, got_q))
+                              hint=_quantize_hint(x, scales, got_q) + note)
             what = "dequantize(q, scales)"
             state["current"] = what
             exp_x = kv_quant.read_blocks(ref, torch.arange(x.shape[0])) if given is None else \
                 kv_quant.dequantize(exp_q, scales[:, None, :, None])
-            got_x = learner_call(dequantize, exp_q.clone(), scales.clone(), what=what)
+            got_x = learner_call(dequantize, hand("dequantize q", exp_q, again),
+                                 hand("dequantize scales", scales, again), what=what)
             if not isinstance(got_x, torch.Tensor) or got_x.dtype != torch.float32 or tuple(got_x.shape) != tuple(x.shape) \
                     or not torch.allclose(got_x, exp_x, rtol=1e-6, atol=0):
                 raise failure(f"{NAME}: {what} differs from minipaged's read of the same pages.", done=desc,
                               expected=f"float32 of shape {tuple(x.shape)}: q * scales[b, h]",
                               got=_kind(got_x),
                               hint="a stored value q of block b, KV head h means q * scales[b, h]: "
-                                   "q.float() * scales[:, None, :, None].")
+                                   "q.float() * scales[:, None, :, None]." + note)
 
     run_guarded("04", NAME, _body, timeout, state)
     passed(f"int8 quantize: {len(cases)} sets of blocks (own magnitude per (block, head), block size 16, all-zero blocks "
-           "and heads, values beyond the range of a given scale) matched minipaged's int8 pages.")
+           "and heads, values beyond the range of a given scale, tensors changed in place and handed in again) matched "
+           "minipaged's int8 pages.")
 
 
 def check_copy_block(copy_block: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -194,8 +225,11 @@ def check_copy_block(copy_block: Callable, timeout: float = DEFAULT_TIMEOUT_S) -
     moves = [(1, 3), (0, 4), (2, 2)]
 
     def _body():
+        builds("package code in place", "own scale per block")
         cache, scales = _plain(ref)
-        for src, dst in moves:
+        for i, (src, dst) in enumerate(moves):
+            if i:  # the same pages and scales as the copy before, changed in place by it
+                builds("reused object")
             what = f"copy_block(cache, scales, src={src}, dst={dst})"
             state["current"] = what
             before_s = scales.clone()
@@ -253,53 +287,89 @@ def case_named(name: str) -> tuple[Case, tuple]:
 
 def _attention_cases() -> list[Case]:
     names = ("prefill of one short sequence", "decode through an out-of-order block table", "decode with GQA",
-             "mixed batch", "block size 16", "random batch 2")
+             "mixed batch", "block size 16", "random batch 2", "at SmolLM2's max_model_len")
     return [c for c in attention_cases() if c.name.startswith(names)]
 
 
 def check_gather_kv_int8(gather_kv_int8: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """``gather_kv_int8(cache, scales, block_table, context_len)`` -> (context_len, H, D) float32, dequantized."""
     refuse_package_function(gather_kv_int8, NAME, "gather_kv_int8")
-    # (context_len, blocks in order, block_size, num_kv_heads): the last has more KV heads than slots in a block
-    cases = [(5, True, 4, 2), (11, False, 4, 2), (8, False, 4, 2), (1, False, 4, 2), (23, False, 4, 2), (7, False, 2, 4)]
+    # (context_len, blocks in order, block_size, num_kv_heads): the next to last has more KV heads than slots in a
+    # block; the last is SmolLM2's max_model_len
+    cases = [(5, True, 4, 2), (11, False, 4, 2), (8, False, 4, 2), (1, False, 4, 2), (23, False, 4, 2),
+             (7, False, 2, 4), (MAX_MODEL_LEN, False, 16, 2)]
     state = {"current": "gather_kv_int8(...)"}
 
+    def paged(seed: int, ctx: int, in_order: bool = False, bs: int = 4, hkv: int = 2) -> tuple[Case, Case, tuple]:
+        """(a case of one sequence whose blocks each have their own magnitude, it over minipaged's int8 pages,
+        (k int8, k scales))."""
+        case = make_case("gather", "", [(ctx, 1)], num_heads=hkv, num_kv_heads=hkv, head_dim=4, block_size=bs,
+                         seed=seed, in_order=in_order)
+        case.k_cache = case.k_cache * torch.logspace(-1, 1, case.k_cache.shape[0])[:, None, None, None]
+        qc, (kq, ks, _, _) = quantized_case(case)
+        return case, qc, (kq, ks)
+
+    def gather(qc: Case, kq: torch.Tensor, ks: torch.Tensor, row: torch.Tensor, ctx: int, again: str = "",
+               stale=None) -> torch.Tensor:
+        """``gather_kv_int8`` on these very objects against minipaged's read of ``qc``'s pages; ``again`` says how
+        they changed since the call that gave ``stale``. Returns the reference's answer."""
+        bs = kq.shape[1]
+        what = f"gather_kv_int8(k_cache, k_scales, block_table={fmt_list(row.tolist())}, context_len={ctx})"
+        state["current"] = what
+        exp = ref_gather_kv(qc.k_cache, row, ctx)
+        raw = ref_gather_kv(kq, row, ctx).float()
+        got = learner_call(gather_kv_int8, kq, ks, row, ctx, what=what)
+        desc = f"int8 pages of shape {tuple(kq.shape)}, scales {tuple(ks.shape)}, block size {bs}" + again
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(exp.shape) or got.dtype != torch.float32:
+            raise failure(f"{NAME}: {what} returned the wrong kind of tensor.", done=desc,
+                          expected=f"float32 of shape {tuple(exp.shape)} = (context_len, num_kv_heads, head_dim)",
+                          got=_kind(got),
+                          hint="gather the sequence's blocks through the table, dequantize them (float32), keep "
+                               "the first context_len tokens.")
+        if not torch.allclose(got, exp, rtol=1e-6, atol=0):
+            if stale is not None and torch.allclose(got, stale, rtol=1e-6, atol=0):
+                hint = ("you returned what the call before gave: the pages and scales are the same objects, changed in "
+                        "place since (a block freed and written again). Gather from them afresh on every call; keep "
+                        "nothing between calls keyed on id() or data_ptr().")
+            elif torch.allclose(got, raw):
+                hint = ("you gathered the right int8 values but did not multiply them by their scales: a stored q "
+                        "of block b, KV head h means q * scales[b, h]. Take the scales of the same blocks "
+                        "(scales[block_table[:n]]) and dequantize what you gathered.")
+            else:
+                tok = int((~torch.isclose(got, exp, rtol=1e-6, atol=0)).flatten(1).any(1).nonzero()[0])
+                b = int(row[tok // bs])
+                hint = (f"token {tok} is slot {tok % bs} of physical block {b} (block_table[{tok // bs}]): its values "
+                        f"times scales[{b}] (that block's scales, not the logical block's).")
+            raise failure(f"{NAME}: {what} differs from minipaged's read of the same pages.", done=desc,
+                          expected=fmt_list(f"{v:.4f}" for v in exp[0, 0].tolist()),
+                          got=fmt_list(f"{v:.4f}" for v in got[0, 0].tolist()), hint=hint)
+        return exp
+
     def _body():
+        builds("package code in place")
         for i, (ctx, in_order, bs, hkv) in enumerate(cases):
-            case = make_case("gather", "", [(ctx, 1)], num_heads=hkv, num_kv_heads=hkv, head_dim=4, block_size=bs,
-                             seed=60 + i, in_order=in_order)
-            case.k_cache = case.k_cache * torch.logspace(-1, 1, case.k_cache.shape[0])[:, None, None, None]
-            qc, (kq, ks, _, _) = quantized_case(case)
-            row = case.block_tables[0]
-            what = f"gather_kv_int8(k_cache, k_scales, block_table={row.tolist()}, context_len={ctx})"
-            state["current"] = what
-            exp = ref_gather_kv(qc.k_cache, row, ctx)
-            got = learner_call(gather_kv_int8, kq.clone(), ks.clone(), row.clone(), ctx, what=what)
-            desc = f"int8 pages of shape {tuple(kq.shape)}, scales {tuple(ks.shape)}, block size {bs}"
-            if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(exp.shape) or got.dtype != torch.float32:
-                raise failure(f"{NAME}: {what} returned the wrong kind of tensor.", done=desc,
-                              expected=f"float32 of shape {tuple(exp.shape)} = (context_len, num_kv_heads, head_dim)",
-                              got=_kind(got),
-                              hint="gather the sequence's blocks through the table, dequantize them (float32), keep "
-                                   "the first context_len tokens.")
-            if not torch.allclose(got, exp, rtol=1e-6, atol=0):
-                raw = ref_gather_kv(kq, row, ctx).float()
-                if torch.allclose(got, raw):
-                    hint = ("you gathered the right int8 values but did not multiply them by their scales: a stored q "
-                            "of block b, KV head h means q * scales[b, h]. Take the scales of the same blocks "
-                            "(scales[block_table[:n]]) and dequantize what you gathered.")
-                else:
-                    tok = int((~torch.isclose(got, exp, rtol=1e-6, atol=0)).flatten(1).any(1).nonzero()[0])
-                    b = int(row[tok // bs])
-                    hint = (f"token {tok} is slot {tok % bs} of physical block {b} (block_table[{tok // bs}]): its values "
-                            f"times scales[{b}] (that block's scales, not the logical block's).")
-                raise failure(f"{NAME}: {what} differs from minipaged's read of the same pages.", done=desc,
-                              expected=fmt_list(f"{v:.4f}" for v in exp[0, 0].tolist()),
-                              got=fmt_list(f"{v:.4f}" for v in got[0, 0].tolist()), hint=hint)
+            case, qc, (kq, ks) = paged(60 + i, ctx, in_order, bs, hkv)
+            builds(*situations_of(case, queries=False), "own scale per block")
+            gather(qc, kq.clone(), ks.clone(), case.block_tables[0].clone(), ctx)
+        # The engine reads one set of pages every step, written in place between steps: the same objects with a
+        # block written again (values and scales) must give the new tokens (a memo keyed on id() gives the old ones).
+        case, qc, (kq, ks) = paged(67, 11)
+        row = case.block_tables[0].clone()
+        before = gather(qc, kq, ks, row, 11)
+        blk = int(row[1])
+        case.k_cache[blk] = case.k_cache[blk] * -3.0
+        qc, (new_kq, new_ks, _, _) = quantized_case(case)
+        kq.copy_(new_kq)
+        ks.copy_(new_ks)
+        builds("reused object")
+        gather(qc, kq, ks, row, 11, again=f"; the same pages, scales and block_table objects as the call before, "
+                                          f"block {blk} written again in place since (its values and its scales)",
+               stale=before)
 
     run_guarded("04", NAME, _body, timeout, state)
     passed(f"int8 gather: {len(cases)} block tables (in order, shuffled, a boundary, one token, more KV heads than slots "
-           "in a block) matched minipaged's dequantizing read.")
+           f"in a block, SmolLM2's max_model_len of {MAX_MODEL_LEN}) and pages changed in place and handed in again "
+           "matched minipaged's dequantizing read.")
 
 
 def variant_ignores_scales(case: Case, kq: torch.Tensor, vq: torch.Tensor) -> torch.Tensor:
@@ -315,34 +385,50 @@ def check_paged_attention_int8(paged_attention_int8: Callable, timeout: float = 
     query_start_loc, scale)`` over int8 pages, against minipaged's reference reading the same pages."""
     refuse_package_function(paged_attention_int8, NAME, "paged_attention_int8")
     cases = _attention_cases()
+    reused = reused_cases()
     state = {"current": "the first case"}
     fn_name = "paged_attention_int8"
 
+    def run(case: Case, args: tuple, replay: str) -> None:
+        """The learner's attention on ``args``, ``case``'s int8 pages, against the reference reading them."""
+        builds(*situations_of(case))
+        qc, _ = quantized_case(case)
+        kq, vq = args[1].clone(), args[2].clone()
+        what = f'{fn_name}(...) on case "{case.name}"'
+        state["current"] = what
+        got = learner_call(paged_attention_int8, *args, what=what,
+                           context=lambda case=case: "Inputs: " + case.describe())
+        if isinstance(got, torch.Tensor) and got.shape == case.q.shape:
+            exp = ref_paged_attention(*qc.args())
+            if not torch.allclose(got.float(), exp, atol=atol, rtol=rtol) and \
+                    torch.allclose(got.float(), variant_ignores_scales(case, kq, vq), atol=atol * 10, rtol=rtol * 10):
+                raise failure(f"{NAME}: case \"{case.name}\" differs from the reference reading the same int8 pages.",
+                              done="Inputs: " + case.describe(),
+                              hint="your output matches attention over the int8 values WITHOUT their scales: your "
+                                   "attention ignores the scales. A stored q of block b, KV head h means "
+                                   "q * k_scales[b, h] (v_scales for V): dequantize the gathered blocks "
+                                   "(your gather_kv_int8) before q @ k^T and before the weighted sum of V.")
+        compare_case(qc, got, NAME, fn_name, atol, rtol, replay=replay)
+
     def _body():
+        builds("package code in place")
         for case in cases:
-            qc, (kq, ks, vq, vs) = quantized_case(case)
-            what = f'{fn_name}(...) on case "{case.name}"'
-            state["current"] = what
-            got = learner_call(paged_attention_int8, case.q.clone(), kq.clone(), vq.clone(), ks.clone(), vs.clone(),
-                               case.block_tables.clone(), case.context_lens.clone(), case.query_start_loc.clone(),
-                               case.scale, what=what, context=lambda case=case: "Inputs: " + case.describe())
-            if isinstance(got, torch.Tensor) and got.shape == case.q.shape:
-                exp = ref_paged_attention(*qc.args())
-                if not torch.allclose(got.float(), exp, atol=atol, rtol=rtol) and \
-                        torch.allclose(got.float(), variant_ignores_scales(case, kq, vq), atol=atol * 10, rtol=rtol * 10):
-                    raise failure(f"{NAME}: case \"{case.name}\" differs from the reference reading the same int8 pages.",
-                                  done="Inputs: " + case.describe(),
-                                  hint="your output matches attention over the int8 values WITHOUT their scales: your "
-                                       "attention ignores the scales. A stored q of block b, KV head h means "
-                                       "q * k_scales[b, h] (v_scales for V): dequantize the gathered blocks "
-                                       "(your gather_kv_int8) before q @ k^T and before the weighted sum of V.")
-            compare_case(qc, got, NAME, fn_name, atol, rtol,
-                         replay=(f"To replay: from minipaged.checks import kv_int8\n    case, args = kv_int8.case_named("
-                                 f"{case.name!r})\n    out = {fn_name}(*args)"))
+            run(case, int8_args(case), f"To replay: from minipaged.checks import kv_int8\n    case, args = "
+                                       f"kv_int8.case_named({case.name!r})\n    out = {fn_name}(*args)")
+        # The engine hands attention the same pages every step, written in place between steps.
+        held = int8_args(reused[0])
+        for case in reused:
+            for t, new in zip(held[:8], int8_args(case)):
+                t.copy_(new)  # the same objects (and id()s), this step's contents
+            run(case, held, "To replay: from minipaged.checks import kv_int8, paged_attention as pa\n    first, second "
+                            f"= pa.reused_cases()\n    args = kv_int8.int8_args(first)\n    out = {fn_name}(*args)\n"
+                            "    for t, new in zip(args[:8], kv_int8.int8_args(second)): t.copy_(new)\n"
+                            f"    out = {fn_name}(*args)")
 
     run_guarded("04", NAME, _body, timeout, state)
-    passed(f"paged attention over int8 pages: {len(cases)} cases (prefill, decode, GQA, a mixed batch, block size 16, "
-           "a random batch) matched minipaged's reference reading the same pages.")
+    passed(f"paged attention over int8 pages: {len(cases) + len(reused)} cases (prefill, decode, GQA, a mixed batch, "
+           f"block size 16, a random batch, SmolLM2's max_model_len of {MAX_MODEL_LEN}, the same pages changed in "
+           "place and handed in again) matched minipaged's reference reading the same pages.")
 
 
 __all__ = ["check_quantize", "check_copy_block", "check_gather_kv_int8", "check_paged_attention_int8",

@@ -16,10 +16,22 @@ import torch
 
 from ..attention.reference import gather_kv as ref_gather_kv
 from ..attention.reference import paged_attention as ref_paged_attention
-from ._core import DEFAULT_TIMEOUT_S, CheckFailed, failure, fmt_list, learner_call, passed
+from ._core import DEFAULT_TIMEOUT_S, SITUATIONS, CheckFailed, builds, failure, fmt_list, learner_call, passed
+from ._core import length_situations as core_length_situations
 from ._delegation import refuse_package_function, run_guarded
 
 NAME = "04 paged attention"
+MAX_MODEL_LEN = 2048  # SmolLM2's context: the longest sequence the engine serves it
+# The situations of workbooks 04 and 05's rules that _core's vocabulary does not name (issue 40).
+SITUATIONS.update({
+    "grouped heads": "grouped-query attention with more than one KV head: each KV head serves a group of query heads",
+    "cached prefix": "new tokens after tokens already in the cache (a chunk, a decode): query i sits at position "
+                     "context_len - q_len + i, not at i",
+    "given scale": "a scale argument other than 1/sqrt(head_dim), so only the one given is right",
+    "signed scores": "scores of one sign only (every q.k large and negative) and of both signs around 0",
+    "block size under heads": "a cache with fewer slots in a block than KV heads, so one dimension read for the "
+                              "other shows",
+})
 
 
 @dataclass
@@ -36,6 +48,7 @@ class Case:
     query_start_loc: torch.Tensor  # (num_seqs + 1,) int32
     scale: float
     seqs: list = field(default_factory=list)  # [(context_len, q_len)]
+    situations: tuple = ()  # those its inputs do not show (see situations_of)
 
     def cpu(self) -> "Case":
         if self.q.device.type == "cpu":
@@ -56,7 +69,7 @@ class Case:
                  f"scale {self.scale:.4g}, cache of {nb} blocks"]
         for s, (c, ql) in enumerate(self.seqs):
             nblk = -(-c // bs)
-            row = self.block_tables[s, :nblk].tolist()
+            row = fmt_list(self.block_tables[s, :nblk].tolist())
             kind = "decode" if ql == 1 and c > 1 else ("prefill" if ql == c else "chunk over a cached prefix")
             lines.append(f"  sequence {s}: context_len {c}, {ql} new token(s) ({kind}; rows "
                          f"{int(self.query_start_loc[s])}..{int(self.query_start_loc[s + 1]) - 1} of q), "
@@ -66,7 +79,7 @@ class Case:
 
 def make_case(name: str, focus: str, seqs: list, num_heads: int = 2, num_kv_heads: int = 1, head_dim: int = 8,
               block_size: int = 4, seed: int = 0, logit_scale: float = 1.0, in_order: bool = False,
-              spare_blocks: int = 3, scale: float | None = None) -> Case:
+              spare_blocks: int = 3, scale: float | None = None, situations: tuple = ()) -> Case:
     """Random inputs for ``seqs`` = [(context_len, q_len), ...]; unused cache slots hold garbage."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-c // block_size) for c, _ in seqs]
@@ -91,7 +104,29 @@ def make_case(name: str, focus: str, seqs: list, num_heads: int = 2, num_kv_head
         k_cache = k_cache * logit_scale
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
     return Case(name, focus, q, k_cache, v_cache, tables, torch.tensor([c for c, _ in seqs], dtype=torch.int32), qsl,
-                1.0 / math.sqrt(head_dim) if scale is None else scale, list(seqs))
+                1.0 / math.sqrt(head_dim) if scale is None else scale, list(seqs), situations)
+
+
+def length_situations(context_lens: list, block_size: int) -> list[str]:
+    """The SITUATIONS contexts of these lengths put a gather or an attention in (against SmolLM2's max_model_len)."""
+    return core_length_situations(context_lens, block_size, MAX_MODEL_LEN)
+
+
+def situations_of(case: Case, queries: bool = True) -> list[str]:
+    """The SITUATIONS ``case`` puts a learner's code in, read off its inputs (``queries``: an attention's, beyond
+    a gather's), with those its maker named."""
+    _, bs, hkv, _ = case.k_cache.shape
+    out = length_situations([c for c, _ in case.seqs], bs) + list(case.situations)
+    rows = [case.block_tables[s, : -(-c // bs)].tolist() for s, (c, _) in enumerate(case.seqs)]
+    if any(a > b for row in rows for a, b in zip(row, row[1:])):
+        out.append("out-of-order blocks")
+    if bs < hkv:
+        out.append("block size under heads")
+    if queries and hkv > 1 and case.q.shape[1] > hkv:
+        out.append("grouped heads")
+    if queries and any(ql < c for c, ql in case.seqs):
+        out.append("cached prefix")
+    return out
 
 
 # -- the reference with one mistake switched on (for hints only) ---------------------------------
@@ -274,17 +309,20 @@ def attention_cases(decode_only: bool = False) -> list[Case]:
     c.append(make_case("huge logits (scores in the hundreds)",
                        "subtract the row maximum before exp(): softmax(x) == softmax(x - max(x)).",
                        [(12, 1), (7, 1)] if decode_only else [(12, 4), (7, 1)],
-                       num_heads=2, num_kv_heads=1, head_dim=16, seed=10, logit_scale=12.0))
+                       num_heads=2, num_kv_heads=1, head_dim=16, seed=10, logit_scale=12.0,
+                       situations=("numerical edge",)))
     c.append(_signed_case("scores of one sign only: every q.k is negative and large (-100 and below)",
                           "the row's maximum is negative: subtract it (start a running maximum at -inf, never 0).",
-                          [(9, 1), (20, 1)] if decode_only else [(9, 3), (20, 1)], sign=-1.0, seed=11))
+                          [(9, 1), (20, 1)] if decode_only else [(9, 3), (20, 1)], sign=-1.0, seed=11,
+                          situations=("signed scores", "numerical edge")))
     c.append(_signed_case("scores of both signs (-4 .. 4), so that 0 is a score like any other",
                           "masked keys are -inf, never 0: here 0 is a real score, larger than many.",
-                          [(13, 1), (6, 1)] if decode_only else [(13, 5), (6, 6)], sign=0.0, seed=12, size=0.2))
+                          [(13, 1), (6, 1)] if decode_only else [(13, 5), (6, 6)], sign=0.0, seed=12, size=0.2,
+                          situations=("signed scores",)))
     c.append(make_case("a scale that is not 1/sqrt(head_dim) (0.9: some models scale otherwise)",
                        "multiply the scores by the `scale` argument as given; never compute 1/sqrt(head_dim) yourself.",
                        [(9, 1), (5, 1)] if decode_only else [(9, 3), (5, 5)], num_heads=2, num_kv_heads=1, head_dim=16,
-                       seed=15, scale=0.9))
+                       seed=15, scale=0.9, situations=("given scale",)))
     c.append(make_case("block size 2 under 4 KV heads (more KV heads than slots in a block)",
                        "the cache is (num_blocks, block_size, num_kv_heads, head_dim): block_size is shape[1], whatever "
                        "the number of KV heads.",
@@ -310,13 +348,48 @@ def attention_cases(decode_only: bool = False) -> list[Case]:
         c.append(make_case(f"random batch {i + 1} of 3", "compare with the cases above that passed.", seqs,
                            num_heads=hkv * [1, 2, 4][i], num_kv_heads=hkv, head_dim=[8, 16, 32][i],
                            block_size=[4, 8, 16][i], seed=200 + i))
+    # Last, so that every mistake the cases above show is named there, on small inputs.
+    # Blocks of 64: Triton's interpreter takes about 8 ms a block, per sequence and head.
+    c.append(make_case(f"at SmolLM2's max_model_len: a context of {MAX_MODEL_LEN} tokens (32 blocks of 64)",
+                       "the longest sequence the engine serves: no buffer, mask or position may stop short of "
+                       f"max_model_len ({MAX_MODEL_LEN}).",
+                       [(MAX_MODEL_LEN, 1 if decode_only else MAX_MODEL_LEN)],
+                       num_heads=2, num_kv_heads=1, head_dim=8, block_size=64, seed=18))
     return c
 
 
-def _signed_case(name: str, focus: str, seqs: list, sign: float, seed: int, size: float = 10.0) -> Case:
+def reused_cases() -> tuple[Case, Case]:
+    """Two decode steps on one set of tensors, as the engine runs them: the check hands the learner the same
+    objects twice, the second time with ``second``'s contents written into them in place. Between the steps
+    sequence 0 finished and its blocks went, in another order, to a new request of 5 tokens (the old tokens
+    stay in the slots past its end), sequence 1 wrote its 8th token, and new queries came."""
+    first = make_case("the same tensors, handed in twice: step 1, decodes over contexts of 10 and 7",
+                      "compare with the cases above that passed.", [(10, 1), (7, 1)], num_heads=4, num_kv_heads=2,
+                      seed=17)
+    g = torch.Generator().manual_seed(1017)
+    bs, hkv, d = first.k_cache.shape[1:]
+    old, mine = first.block_tables[0, :3].tolist(), first.block_tables[1, :2].tolist()
+    k, v, tables = first.k_cache.clone(), first.v_cache.clone(), first.block_tables.clone()
+    tables[0, :2] = torch.tensor([old[2], old[0]], dtype=torch.int32)  # freed, then allocated again
+    for p in range(5):
+        b, o = int(tables[0, p // bs]), p % bs
+        k[b, o], v[b, o] = torch.randn(hkv, d, generator=g), torch.randn(hkv, d, generator=g)
+    k[mine[1], 3], v[mine[1], 3] = torch.randn(hkv, d, generator=g), torch.randn(hkv, d, generator=g)
+    second = Case("the same tensors, handed in again after the engine changed them in place: step 2, a new request of "
+                  "5 tokens in the freed blocks of the first, the other sequence grown to 8",
+                  "the engine hands attention the same k_cache, v_cache and block_tables every step, written in "
+                  "place between steps: read them afresh on every call. Keep nothing between calls (a memo keyed on "
+                  "id() or data_ptr() meets new contents under the same key).",
+                  torch.randn(first.q.shape, generator=g), k, v, tables, torch.tensor([5, 8], dtype=torch.int32),
+                  first.query_start_loc.clone(), first.scale, [(5, 1), (8, 1)], ("reused object",))
+    return first, second
+
+
+def _signed_case(name: str, focus: str, seqs: list, sign: float, seed: int, size: float = 10.0,
+                 situations: tuple = ()) -> Case:
     """Scores of one sign (``sign`` = -1 or 1: q.k all that sign) or both (``sign`` = 0), of magnitude
     about 10 * ``size`` .. 15 * ``size`` after the scale (``size`` 10: 100 .. 150)."""
-    case = make_case(name, focus, seqs, num_heads=2, num_kv_heads=1, head_dim=16, seed=seed)
+    case = make_case(name, focus, seqs, num_heads=2, num_kv_heads=1, head_dim=16, seed=seed, situations=situations)
     g = torch.Generator().manual_seed(seed + 1000)
     d = case.q.shape[-1]
     direction = torch.ones(d) / math.sqrt(d)
@@ -382,84 +455,125 @@ def case_named(name: str, decode_only: bool = False) -> Case:
 def check_gather_kv(gather_kv: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """``gather_kv(cache, block_table_row, context_len)`` -> (context_len, num_kv_heads, head_dim)."""
     refuse_package_function(gather_kv, NAME, "gather_kv")
-    # (context_len, blocks in order, block_size, num_kv_heads): the last has more KV heads than slots in a block
+    # (context_len, blocks in order, block_size, num_kv_heads): the next to last has more KV heads than slots in a
+    # block; the last is SmolLM2's max_model_len
     cases = [(5, True, 4, 2), (11, False, 4, 2), (8, False, 4, 2), (1, False, 4, 2), (16, False, 4, 2), (23, False, 4, 2),
-             (7, False, 2, 4)]
+             (7, False, 2, 4), (MAX_MODEL_LEN, False, 16, 2)]
     state = {"current": "gather_kv(...)"}
 
+    def gather(cache: torch.Tensor, row: torch.Tensor, ctx: int, again: str = "", stale=None) -> torch.Tensor:
+        """``gather_kv`` on these very objects against the reference; ``again`` says how they changed since the
+        call that gave ``stale``. Returns the reference's answer."""
+        what = f"gather_kv(k_cache, block_table={fmt_list(row.tolist())}, context_len={ctx})"
+        state["current"] = what
+        exp = ref_gather_kv(cache, row, ctx)
+        got = learner_call(gather_kv, cache, row, ctx, what=what)
+        bs = cache.shape[1]
+        desc = (f"k_cache of shape {tuple(cache.shape)} (num_blocks, block_size, num_kv_heads, head_dim), "
+                f"block size {bs}{again}")
+        if not isinstance(got, torch.Tensor):
+            raise failure(f"{NAME}: {what} returned {type(got).__name__}.", done=desc,
+                          expected=f"a tensor of shape {tuple(exp.shape)}", got=repr(got)[:80],
+                          hint="return the gathered tokens as one tensor.")
+        if tuple(got.shape) != tuple(exp.shape):
+            h = ("you kept every slot of the last block: cut the result to the first context_len tokens ([:context_len])."
+                 if got.dim() == 3 and got.shape[0] == -(-ctx // bs) * bs else
+                 "index the cache with the sequence's blocks (cache[block_table[:n_blocks]]), flatten the first two "
+                 "dims (n_blocks * block_size tokens), then keep the first context_len.")
+            raise failure(f"{NAME}: {what} has the wrong shape.", done=desc,
+                          expected=f"{tuple(exp.shape)} = (context_len, num_kv_heads, head_dim)",
+                          got=f"{tuple(got.shape)}", hint=h)
+        if not torch.equal(got, exp):
+            tok = int((got != exp).flatten(1).any(1).nonzero()[0])
+            blk, off = tok // bs, tok % bs
+            logical = cache.reshape(-1, *cache.shape[2:])[:ctx] if ctx <= cache.shape[0] * bs else None
+            if stale is not None and torch.equal(got, stale):
+                h = ("you returned what the call before gave: the cache is the same object, changed in place since "
+                     "(the engine writes into one cache every step). Gather from it afresh on every call; keep "
+                     "nothing between calls keyed on id() or data_ptr().")
+            elif logical is not None and torch.equal(got, logical):
+                h = "you read the blocks in logical order (0, 1, 2, ...): take logical block i from physical block block_table[i]."
+            else:
+                h = (f"token {tok} is logical block {blk}, offset {off}: it lives at cache[block_table[{blk}], {off}] = "
+                     f"cache[{int(row[blk])}, {off}].")
+            raise failure(f"{NAME}: {what}: token {tok} is the wrong one.", done=desc,
+                          expected=f"cache[{int(row[blk])}, {off}] (block_table[{blk}] = {int(row[blk])}, offset {off})",
+                          got="other values", hint=h)
+        return exp
+
     def _body():
+        builds("package code in place")
         for i, (ctx, in_order, bs, hkv) in enumerate(cases):
             case = make_case("gather", "", [(ctx, 1)], num_heads=hkv, num_kv_heads=hkv, head_dim=4, block_size=bs,
                              seed=30 + i, in_order=in_order)
-            row = case.block_tables[0]
-            what = f"gather_kv(k_cache, block_table={row.tolist()}, context_len={ctx})"
-            state["current"] = what
-            exp = ref_gather_kv(case.k_cache, row, ctx)
-            got = learner_call(gather_kv, case.k_cache.clone(), row.clone(), ctx, what=what)
-            bs = case.k_cache.shape[1]
-            desc = f"k_cache of shape {tuple(case.k_cache.shape)} (num_blocks, block_size, num_kv_heads, head_dim), block size {bs}"
-            if not isinstance(got, torch.Tensor):
-                raise failure(f"{NAME}: {what} returned {type(got).__name__}.", done=desc,
-                              expected=f"a tensor of shape {tuple(exp.shape)}", got=repr(got)[:80],
-                              hint="return the gathered tokens as one tensor.")
-            if tuple(got.shape) != tuple(exp.shape):
-                h = ("you kept every slot of the last block: cut the result to the first context_len tokens ([:context_len])."
-                     if got.dim() == 3 and got.shape[0] == -(-ctx // bs) * bs else
-                     "index the cache with the sequence's blocks (cache[block_table[:n_blocks]]), flatten the first two "
-                     "dims (n_blocks * block_size tokens), then keep the first context_len.")
-                raise failure(f"{NAME}: {what} has the wrong shape.", done=desc,
-                              expected=f"{tuple(exp.shape)} = (context_len, num_kv_heads, head_dim)",
-                              got=f"{tuple(got.shape)}", hint=h)
-            if not torch.equal(got, exp):
-                tok = int((got != exp).flatten(1).any(1).nonzero()[0])
-                blk, off = tok // bs, tok % bs
-                logical = case.k_cache.reshape(-1, *case.k_cache.shape[2:])[:ctx] if ctx <= case.k_cache.shape[0] * bs else None
-                if logical is not None and torch.equal(got, logical):
-                    h = "you read the blocks in logical order (0, 1, 2, ...): take logical block i from physical block block_table[i]."
-                else:
-                    h = (f"token {tok} is logical block {blk}, offset {off}: it lives at cache[block_table[{blk}], {off}] = "
-                         f"cache[{int(row[blk])}, {off}].")
-                raise failure(f"{NAME}: {what}: token {tok} is the wrong one.", done=desc,
-                              expected=f"cache[{int(row[blk])}, {off}] (block_table[{blk}] = {int(row[blk])}, offset {off})",
-                              got="other values", hint=h)
+            builds(*situations_of(case, queries=False))
+            gather(case.k_cache.clone(), case.block_tables[0].clone(), ctx)
+        # The engine gathers from one cache every step, written in place between steps: the same objects with new
+        # contents must give the new tokens (a memo keyed on id() or data_ptr() gives the old ones).
+        case = make_case("gather", "", [(11, 1)], num_heads=2, num_kv_heads=2, head_dim=4, seed=37)
+        cache, row = case.k_cache.clone(), case.block_tables[0].clone()
+        before = gather(cache, row, 11)
+        blk = int(row[1])
+        cache[blk] = cache[blk] * -2.0 + 1.0
+        builds("reused object")
+        gather(cache, row, 11, stale=before, again=f"; the same k_cache and block_table objects as the call before, "
+                                                   f"block {blk} of the cache rewritten in place since")
 
     run_guarded("04", NAME, _body, timeout, state)
     passed(f"gather_kv: {len(cases)} block tables (in order, shuffled, exact block boundary, one token, more KV heads "
-           "than slots in a block) matched the reference.")
+           f"than slots in a block, SmolLM2's max_model_len of {MAX_MODEL_LEN}) and a cache changed in place and "
+           "handed in again matched the reference.")
 
 
 def check_attention_fn(fn: Callable, name: str, cases: list, timeout: float, atol: float, rtol: float,
                        fn_name: str = "paged_attention", before: Callable[[], None] | None = None,
-                       workbook: str = "04") -> int:
+                       workbook: str = "04", reused: tuple[Case, Case] | None = None) -> int:
+    """``fn`` on ``cases``, then on ``reused`` (see reused_cases): one set of tensors handed in for each of its
+    steps, written in place with that step's contents. Returns the number of cases run."""
     refuse_package_function(fn, name, fn_name)
     state = {"current": "the first case"}
+    replay_reused = None if reused is None else (
+        f"To replay: from minipaged.checks import paged_attention as pa\n    first, second = pa.reused_cases()\n"
+        f"    args = first.args()\n    out = {fn_name}(*args)\n"
+        f"    for t, new in zip(args[:6], second.args()): t.copy_(new)\n    out = {fn_name}(*args)")
+
+    def run(case: Case, args: tuple, replay: str | None = None) -> None:
+        builds(*situations_of(case))
+        state["current"] = f'{fn_name}(...) on case "{case.name}"'
+        got = learner_call(fn, *args, what=f'{fn_name}(...) on case "{case.name}"',
+                           context=lambda case=case: "Inputs: " + case.describe())
+        if not torch.equal(args[1], case.k_cache) or not torch.equal(args[2], case.v_cache):
+            raise failure(f"{name}: {fn_name} changed k_cache or v_cache (case \"{case.name}\").", done=case.describe(),
+                          hint="attention only reads the cache; the new K/V were written before it is called. "
+                               "Work on gathered copies, never assign into the cache.")
+        compare_case(case, got, name, fn_name, atol, rtol, replay)
 
     def _body():
+        builds("package code in place")
         if before is not None:
             before()
         for case in cases:
-            state["current"] = f'{fn_name}(...) on case "{case.name}"'
-            args = case.args()
-            got = learner_call(fn, *args, what=f'{fn_name}(...) on case "{case.name}"',
-                               context=lambda case=case: "Inputs: " + case.describe())
-            if not torch.equal(args[1], case.k_cache) or not torch.equal(args[2], case.v_cache):
-                raise failure(f"{name}: {fn_name} changed k_cache or v_cache (case \"{case.name}\").", done=case.describe(),
-                              hint="attention only reads the cache; the new K/V were written before it is called. "
-                                   "Work on gathered copies, never assign into the cache.")
-            compare_case(case, got, name, fn_name, atol, rtol)
+            run(case, case.args())
+        if reused is not None:
+            held = reused[0].args()
+            for case in reused:
+                for t, new in zip(held[:6], case.args()):
+                    t.copy_(new)  # the same objects (and id()s), this step's contents
+                run(case, held, replay_reused)
 
     # Triton's interpreter runs about 3x slower under the call watch: there the first cases are watched
     # (one and many blocks, GQA), which is where a wrapper around minipaged's kernels would show.
     run_guarded(workbook, name, _body, timeout, state, max_calls=4 if workbook == "05" else None)
-    return len(cases)
+    return len(cases) + len(reused or ())
 
 
 def check_paged_attention(paged_attention: Callable, timeout: float = DEFAULT_TIMEOUT_S,
                           atol: float = 1e-4, rtol: float = 1e-4) -> None:
     """``paged_attention`` with the reference signature, on prefill, decode, GQA, chunks and mixed batches."""
-    n = check_attention_fn(paged_attention, NAME, attention_cases(), timeout, atol, rtol)
+    n = check_attention_fn(paged_attention, NAME, attention_cases(), timeout, atol, rtol, reused=reused_cases())
     passed(f"paged attention: {n} cases (prefill, decode, GQA, a chunk over a cached prefix, a mixed batch, huge logits, "
-           "a scale of 0.9, block size 2 under 4 KV heads, random batches) matched the reference.")
+           f"a scale of 0.9, block size 2 under 4 KV heads, random batches, SmolLM2's max_model_len of "
+           f"{MAX_MODEL_LEN}, the same tensors changed in place and handed in again) matched the reference.")
 
 
 def check(gather_kv: Callable, paged_attention: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -467,4 +581,5 @@ def check(gather_kv: Callable, paged_attention: Callable, timeout: float = DEFAU
     check_paged_attention(paged_attention, timeout=timeout)
 
 
-__all__ = ["check", "check_gather_kv", "check_paged_attention", "attention_cases", "case_named", "make_case"]
+__all__ = ["check", "check_gather_kv", "check_paged_attention", "attention_cases", "case_named", "make_case",
+           "reused_cases", "situations_of", "MAX_MODEL_LEN"]

@@ -3,10 +3,12 @@ and of the simulated GPU from the machine model (minipaged.machine's profile) an
 and keeps a decision ledger of two optimisations measured against a matched control.
 
 A prediction check drives the learner's function and the reference model side by side on seeded
-cases (small numbers, where every term shows) and on this machine's profile, and accepts an answer
-within the check's tolerance of **the reference model's prediction**, never of a measurement:
-measurements on a shared machine are noisy, the model is not. Each check prints both predictions;
-the workbook then sets the learner's prediction beside a measurement with :func:`beside`.
+cases (small numbers, where every term shows; inputs at and just beside the bounds the rules name;
+lists and curves handed in again after they changed in place, so an answer kept by id() shows) and
+on this machine's profile, and accepts an answer within the check's tolerance of **the reference
+model's prediction**, never of a measurement: measurements on a shared machine are noisy, the model
+is not. Each check prints both predictions; the workbook then sets the learner's prediction beside
+a measurement with :func:`beside`.
 
 The ledger check verifies the method, never a verdict: the same requests and seeds in both arms
 (:func:`ledger_run` records them), at least three repeats, each repeat's two runs back to back,
@@ -26,9 +28,30 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import _delegation
-from ._core import DEFAULT_TIMEOUT_S, failure, learner_call, passed, run_with_time_limit
+from ._core import DEFAULT_TIMEOUT_S, SITUATIONS, builds, failure, learner_call, length_situations, passed, run_with_time_limit
+from ._delegation import run_guarded
 
 NAME = "10 predict and measure"
+MAX_MODEL_LEN = 2048  # SmolLM2's context: the longest sequence a capacity is asked for
+# The situations of workbook 10's rules that _core's vocabulary does not name (issue 40).
+SITUATIONS.update({
+    "exactly at a bound": "an input exactly at a bound the rule names (a latency at its target, a ratio of 1 or k + 1, "
+                          "an interval's end at the bar, a slope of 0)",
+    "just beside a bound": "inputs just inside and just outside a bound the rule names (ratios of 1.01 and 4.99 beside "
+                           "1 and 5, intervals ending at 1.04 or starting at 1.06 beside the bar of 1.05, a slope just "
+                           "below 0)",
+    "not a straight line": "a curve that bends (a step time with a floor, a geometric sum), so reading it at the wrong "
+                           "points or as a line shows",
+    "given arguments": "arguments other than the defaults (another context and batches) that change the answer",
+    "each condition alone": "each of a rule's conditions failing alone (a TTFT met with its TPOT missed, and the other "
+                            "way round)",
+    "uneven weights": "items of different weights (requests of different output lengths), so an unweighted mean shows",
+    "paired samples": "paired runs whose speed-ups' mean differs from the ratio of the arms' means",
+    "varied repeats": "3, 4 and 5 repeats whose speed-ups vary, so the spread's formula (n - 1) shows",
+})
+AGAIN = " (the same objects as the call before, changed in place since)"
+REUSED_HINT = ("this call hands in the same objects as the call before, changed in place since: compute from what "
+               "they hold now, every call (an answer kept by id() of an argument belongs to what it held before).")
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (repeats - 1): given, not to be computed.
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -55,15 +78,6 @@ def _watch_list() -> list:
                                                     "ref_break_even", "ref_speedup_interval", "ref_verdict")]
 
 
-def _watched(body: Callable) -> Callable:
-    from ._delegation import guarded
-
-    def run():
-        with guarded("10", NAME):
-            return body()
-
-    return run
-
 
 _delegation.WATCH.setdefault("10", _watch_list())
 # What workbook 10 hands the learner inside a check: ledger_run (measure_pair times each arm with it) and the
@@ -84,7 +98,7 @@ def _refuse(*named: tuple) -> None:
 
 def _run(body: Callable, what: str, timeout: float) -> Any:
     state = {"current": what}
-    return run_with_time_limit(_watched(body), timeout, NAME, lambda: state["current"])
+    return run_guarded("10", NAME, body, timeout, state)
 
 
 def _show(name: str, yours: float, model: float, tolerance: float, unit: str = "") -> str:
@@ -109,6 +123,11 @@ def _close(got: Any, exp: float, tolerance: float) -> bool:
     if math.isnan(got):
         return False
     return abs(got - exp) <= tolerance * abs(exp) + 1e-12
+
+
+def _factors_differ(*factors: int) -> bool:
+    """True when no factor is 1 or equals another, so an answer missing one (or using one twice) shows."""
+    return 1 not in factors and len(set(factors)) == len(factors)
 
 
 def _number(title: str, got: Any, desc: str) -> None:
@@ -175,12 +194,19 @@ def check_kv_capacity(kv_capacity: Callable, config: tuple | None = None, timeou
                        rng.choice([2, 4]))
         cases.append((m, rng.randint(1, 64) * 2**24 + rng.randint(0, 9999), rng.choice([1, 4, 16, 32]),
                       rng.randint(1, 700)))
+    cases.append((SMOLLM2_135M, 2**30, 16, MAX_MODEL_LEN))  # sequences of SmolLM2's whole context
     if config is not None:
         cases.insert(0, tuple(config))
     shown = []
 
     def body():
         for m, budget, bs, n in cases:
+            factors = (2, m.num_layers, m.num_kv_heads, m.head_dim, m.dtype_bytes)  # of the bytes a token keeps
+            if _factors_differ(*factors):
+                builds("distinct factors")
+            builds(*length_situations(n, bs, MAX_MODEL_LEN))
+            if budget % (bs * math.prod(factors)):
+                builds("budget remainder")
             what = f"kv_capacity({m.name}, kv_cache_bytes={budget:_}, block_size={bs}, num_tokens={n})"
             got = learner_call(kv_capacity, m, budget, bs, n, what=what)
             exp = ref_kv_capacity(m, budget, bs, n)
@@ -231,13 +257,20 @@ class StepTime:
         return self._fn(batch, context)
 
 
-def _synthetic_steps() -> list[tuple[str, Callable, int, tuple]]:
+def _synthetic_steps() -> list[tuple[str, Callable, int, tuple, tuple]]:
+    """(label, step_time, context, batches, the SITUATIONS the curve puts predict_knee in)."""
     return [
-        ("2 ms + 0.1 ms a sequence", StepTime(lambda b, c: 2e-3 + 1e-4 * b), 32, (1, 32, 64)),
+        ("2 ms + 0.1 ms a sequence", StepTime(lambda b, c: 2e-3 + 1e-4 * b), 32, (1, 32, 64), ()),
         ("a floor until batch 16, then 0.5 ms a sequence + 1 us a sequence-token",
-         StepTime(lambda b, c: 8e-3 + max(0, b - 16) * 5e-4 + 1e-6 * b * c), 128, (1, 16, 48)),
-        ("a step that costs the same at every batch", StepTime(lambda b, c: 5e-3 + 1e-5 * c), 32, (1, 32, 64)),
-        ("three batches far apart", StepTime(lambda b, c: 1e-3 * (1 + b / 7) + 2e-7 * b * c), 64, (2, 10, 90)),
+         StepTime(lambda b, c: 8e-3 + max(0, b - 16) * 5e-4 + 1e-6 * b * c), 128, (1, 16, 48),
+         ("not a straight line", "given arguments")),
+        ("a step that costs the same at every batch", StepTime(lambda b, c: 5e-3 + 1e-5 * c), 32, (1, 32, 64),
+         ("exactly at a bound",)),
+        ("three batches far apart", StepTime(lambda b, c: 1e-3 * (1 + b / 7) + 2e-7 * b * c), 64, (2, 10, 90),
+         ("given arguments",)),
+        # After the flat step, so that a knee of 0 there is named by its own curve: a slope just below 0.
+        ("a step a little cheaper at the largest batch (noise in a measurement)",
+         StepTime(lambda b, c: 5e-3 - 1e-7 * b), 32, (1, 32, 64), ("just beside a bound",)),
     ]
 
 
@@ -251,32 +284,45 @@ def check_knee(predict_knee: Callable, prof: Any = None, context: int | None = N
         from .. import machine
 
         cases.append(("this machine's profile", StepTime(lambda b, c: machine.predict_decode(prof, b, c)),
-                      context or machine.KNEE_CONTEXT, tuple(batches or machine.KNEE_BATCHES)))
+                      context or machine.KNEE_CONTEXT, tuple(batches or machine.KNEE_BATCHES), ()))
     shown = []
 
+    def knee(label: str, fn: Callable, ctx: int, batches: tuple, hint: str) -> tuple[float, float]:
+        what = f"predict_knee(step_time, context={ctx}, batches={batches})"
+        got = learner_call(predict_knee, fn, ctx, batches, what=what)
+        exp = ref_knee(fn, ctx, batches)
+        title = f"{NAME}: {what} is off, for step_time = {label}."
+        _number(title, got, "")
+        if not _close(got, exp, 0.02):
+            f1, fa, fb = fn(batches[0], ctx), fn(batches[-2], ctx), fn(batches[-1], ctx)
+            raise failure(title, done=(f"step_time({batches[0]}, {ctx}) = {f1 * 1e3:.3f} ms, step_time({batches[-2]}, "
+                                       f"{ctx}) = {fa * 1e3:.3f} ms, step_time({batches[-1]}, {ctx}) = {fb * 1e3:.3f} ms"),
+                          expected=f"{_fmt(exp)} (within 2%)", got=_fmt(got), hint=hint)
+        return got, exp
+
     def body():
-        for label, fn, ctx, batches in cases:
-            what = f"predict_knee(step_time, context={ctx}, batches={batches})"
-            got = learner_call(predict_knee, fn, ctx, batches, what=what)
-            exp = ref_knee(fn, ctx, batches)
-            title = f"{NAME}: {what} is off, for step_time = {label}."
-            _number(title, got, "")
-            if not _close(got, exp, 0.02):
-                f1, fa, fb = fn(batches[0], ctx), fn(batches[-2], ctx), fn(batches[-1], ctx)
-                raise failure(title, done=(f"step_time({batches[0]}, {ctx}) = {f1 * 1e3:.3f} ms, step_time({batches[-2]}, "
-                                           f"{ctx}) = {fa * 1e3:.3f} ms, step_time({batches[-1]}, {ctx}) = {fb * 1e3:.3f} ms"),
-                              expected=f"{_fmt(exp)} (within 2%)", got=_fmt(got),
-                              hint=("the knee = the floor (the step at the smallest batch) / the cost of one more "
-                                    "sequence, the slope between the two largest batches; inf when that slope is 0 or less. "
-                                    "Use the context and batches you are given."))
-            shown.append((label, got, exp))
+        hint = ("the knee = the floor (the step at the smallest batch) / the cost of one more sequence, the slope "
+                "between the two largest batches; inf when that slope is 0 or less. Use the context and batches you "
+                "are given.")
+        for label, fn, ctx, batches, situations in cases:
+            builds(*situations)
+            shown.append((label, *knee(label, fn, ctx, batches, hint)))
+        # The same step_time again after its measurements changed in place (the machine measured anew): a knee
+        # kept by id(step_time) is the old curve's.
+        seconds = {1: 4e-3, 32: 6e-3, 64: 8e-3}
+        measured = StepTime(lambda b, c: seconds[b])
+        knee("a table of measured seconds", measured, 32, (1, 32, 64), hint)
+        seconds[64] = 1.2e-2
+        builds("reused object")
+        knee("the same table, its last batch measured again" + AGAIN, measured, 32, (1, 32, 64), REUSED_HINT)
 
     _run(body, "predict_knee(...)", timeout)
     if prof is not None:
         PREDICTIONS["knee"] = shown[-1][1]
     for label, got, exp in shown[-1:]:
         print(_show(f"decode knee ({label})", got, exp, 0.02, " sequences"))
-    passed(f"predict_knee: within 2% of the model's knee on {len(cases)} step-time curves.")
+    passed(f"predict_knee: within 2% of the model's knee on {len(cases) + 1} step-time curves (one of them changed in "
+           "place between two calls).")
 
 
 # -- 3. goodput at a rate (lesson 09) --------------------------------------------------------------
@@ -339,22 +385,45 @@ def check_goodput(goodput: Callable, this_run: tuple | None = None, timeout: flo
         cases.append(tuple(this_run))
     shown = []
 
+    def one(ttft: list, tpot: list, s: dict, window: float, same: bool = False,
+            again: bool = False) -> tuple[float, float]:
+        """``same``: hand in these very objects (else copies); ``again``: they came in before, changed since."""
+        what = f"goodput(ttfts, tpots, slo={s}, window_s={window:.3g})" + (AGAIN if again else "")
+        desc = f"ttfts = {[round(x, 3) for x in ttft]}\ntpots = {[round(x, 3) for x in tpot]}"
+        exp = ref_goodput(ttft, tpot, s, window)
+        args = (ttft, tpot, s) if same else (list(ttft), list(tpot), dict(s))
+        got = learner_call(goodput, *args, window, what=what)
+        _judge(f"{NAME}: {what} is wrong.", got, exp, 1e-9, desc=desc, expected=f"{exp:.6g} requests/s", got_as=repr,
+               hint=REUSED_HINT if again else (
+                   "goodput = requests that met BOTH targets (TTFT <= slo['ttft_s'] and TPOT <= slo['tpot_s']; a "
+                   "request right at a target meets it) / window_s, the offered window in seconds."))
+        return got, exp
+
     def body():
         for ttft, tpot, s, window in cases:
-            what = f"goodput(ttfts, tpots, slo={s}, window_s={window:.3g})"
-            desc = f"ttfts = {[round(x, 3) for x in ttft]}\ntpots = {[round(x, 3) for x in tpot]}"
-            got = learner_call(goodput, list(ttft), list(tpot), dict(s), window, what=what)
-            exp = ref_goodput(ttft, tpot, s, window)
-            _judge(f"{NAME}: {what} is wrong.", got, exp, 1e-9, desc=desc, expected=f"{exp:.6g} requests/s", got_as=repr,
-                   hint=("goodput = requests that met BOTH targets (TTFT <= slo['ttft_s'] and TPOT <= "
-                         "slo['tpot_s']; a request right at a target meets it) / window_s, the offered "
-                         "window in seconds."))
-            shown.append((got, exp))
+            met = [(a <= s["ttft_s"], b <= s["tpot_s"]) for a, b in zip(ttft, tpot)]
+            if any(a == s["ttft_s"] or b == s["tpot_s"] for a, b in zip(ttft, tpot)):
+                builds("exactly at a bound")
+            if (True, False) in met and (False, True) in met:
+                builds("each condition alone")
+            if not ttft:
+                builds("empty")
+            elif window not in (1, len(ttft)):  # neither a count nor a fraction of requests passes for goodput
+                builds("distinct factors")
+            shown.append(one(ttft, tpot, s, window))
+        # The same lists again, changed in place (the second request now misses its TTFT target): a goodput kept
+        # by id() of an argument is the old run's.
+        ttft, tpot = [0.1, 0.4, 0.3], [0.01, 0.02, 0.03]
+        one(ttft, tpot, slo, 2.0, same=True)
+        ttft[1] = 0.9
+        builds("reused object")
+        one(ttft, tpot, slo, 2.0, same=True, again=True)
 
     _run(body, "goodput(...)", timeout)
     if this_run is not None:
         _keep("goodput", "goodput of the simulated run", *shown[-1], 1e-9, " req/s")
-    passed(f"goodput: right on {len(cases)} runs (a request right at a target meets it).")
+    passed(f"goodput: right on {len(cases) + 1} runs (a request right at a target meets it; one run changed in place "
+           "between two calls).")
 
 
 def measured_goodput(run: dict, requests: list, slo: dict, window_s: float) -> float:
@@ -382,23 +451,43 @@ def check_gain(predict_gain: Callable, workload: tuple | None = None, timeout: f
         cases.append(tuple(workload))
     shown = []
 
+    def one(kv: int, lengths: list, max_len: int, same: bool = False, again: bool = False) -> tuple[float, float]:
+        """``same``: hand in this very list (else a copy); ``again``: it came in before, changed since."""
+        what = (f"predict_gain(kv_tokens={kv}, lengths=<{len(lengths)} requests>, max_len={max_len})"
+                + (AGAIN if again else ""))
+        exp = ref_gain(kv, lengths, max_len)
+        got = learner_call(predict_gain, kv, lengths if same else list(lengths), max_len, what=what)
+        desc = f"lengths (prompt, output) = {lengths[:8]}" + (" ..." if len(lengths) > 8 else "")
+        _judge(f"{NAME}: {what} is off.", got, exp, 0.02, desc=desc, expected=f"{exp:.4g} (within 2%)",
+               hint=REUSED_HINT if again else (
+                   "Orca (Max) seats kv_tokens // max_len sequences (whole reservations). A paged sequence holds its "
+                   "prompt plus half its output on average over its output_len steps, so the tokens a running "
+                   "sequence holds, weighted by time, are sum(o * (p + o / 2)) / sum(o); vLLM seats kv_tokens / "
+                   "that; the gain is the ratio."))
+        return got, exp
+
     def body():
         for kv, lengths, max_len in cases:
-            what = f"predict_gain(kv_tokens={kv}, lengths=<{len(lengths)} requests>, max_len={max_len})"
-            got = learner_call(predict_gain, kv, list(lengths), max_len, what=what)
-            exp = ref_gain(kv, lengths, max_len)
-            desc = f"lengths (prompt, output) = {lengths[:8]}" + (" ..." if len(lengths) > 8 else "")
-            _judge(f"{NAME}: {what} is off.", got, exp, 0.02, desc=desc, expected=f"{exp:.4g} (within 2%)",
-                   hint=("Orca (Max) seats kv_tokens // max_len sequences (whole reservations). A paged "
-                         "sequence holds its prompt plus half its output on average over its output_len "
-                         "steps, so the tokens a running sequence holds, weighted by time, are "
-                         "sum(o * (p + o / 2)) / sum(o); vLLM seats kv_tokens / that; the gain is the ratio."))
-            shown.append((got, exp))
+            if any(p != o for p, o in lengths):
+                builds("distinct factors")
+            if len({o for _, o in lengths}) > 1:
+                builds("uneven weights")
+            if max_len == MAX_MODEL_LEN:
+                builds("max_model_len")
+            shown.append(one(kv, lengths, max_len))
+        # The same list again, changed in place (the second request's prompt grew): a gain kept by id(lengths) is
+        # the old workload's.
+        lengths = [(100, 200), (30, 40)]
+        one(20_000, lengths, MAX_MODEL_LEN, same=True)
+        lengths[1] = (900, 40)
+        builds("reused object")
+        one(20_000, lengths, MAX_MODEL_LEN, same=True, again=True)
 
     _run(body, "predict_gain(...)", timeout)
     if workload is not None:
         _keep("gain", "vLLM's gain over Orca (Max), mean batched requests", *shown[-1], 0.02, "x")
-    passed(f"predict_gain: within 2% of the model's gain on {len(cases)} workloads.")
+    passed(f"predict_gain: within 2% of the model's gain on {len(cases) + 1} workloads (one changed in place between "
+           "two calls).")
 
 
 # -- 5. tensor parallelism (lesson 11): predicted only ------------------------------------------------
@@ -433,6 +522,8 @@ def check_tensor_parallel(all_reduce_bytes_per_token: Callable, tp_step_time: Ca
 
     def body():
         for L, H, d in shapes:
+            if _factors_differ(2, L, H, d):
+                builds("distinct factors")
             what = f"all_reduce_bytes_per_token(num_layers={L}, hidden_size={H}, dtype_bytes={d})"
             got = learner_call(all_reduce_bytes_per_token, L, H, d, what=what)
             exp = ref_all_reduce_bytes_per_token(L, H, d)
@@ -442,6 +533,8 @@ def check_tensor_parallel(all_reduce_bytes_per_token: Callable, tp_step_time: Ca
                                     "MLP's down projection), each one row of hidden_size values per token."))
             shown["bytes"] = (got, exp)
         for args in steps:
+            if _factors_differ(*args[1:6]):
+                builds("distinct factors")
             names = ("step_s", "n", "num_layers", "hidden_size", "dtype_bytes", "batch", "link_GBps", "latency_s")
             what = "tp_step_time(" + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                for k, v in zip(names, args)) + ")"
@@ -486,6 +579,13 @@ def check_break_even(break_even: Callable, this_machine: tuple | None = None, ti
 
     def body():
         for ratio, k in cases:
+            ends = (1, k + 1)  # the ratios where the answer turns to 0 and to inf
+            if ratio in ends:
+                builds("exactly at a bound")
+            if any(0 < abs(ratio - e) <= 0.02 for e in ends):
+                builds("just beside a bound")
+            if k >= 2:  # 1 + a + a^2 + ...: a curve, where 1 + k a is a line
+                builds("not a straight line")
             what = f"break_even(verify_cost_ratio={ratio}, k={k})"
             got = learner_call(break_even, ratio, k, what=what)
             exp = ref_break_even(ratio, k)
@@ -566,18 +666,40 @@ def check_ledger(ledger: Any, speedup_interval: Callable, verdict: Callable, arm
 
         made["ledger"] = run_with_time_limit(measure, timeout, NAME, lambda: state["current"])
 
+    def interval(control: list, treatment: list, same: bool = False, again: bool = False) -> None:
+        """``same``: hand in these very lists (else copies); ``again``: they came in before, changed since."""
+        what = f"speedup_interval(control={control}, treatment={treatment})" + (AGAIN if again else "")
+        exp = ref_speedup_interval(control, treatment)
+        got = learner_call(speedup_interval, *((control, treatment) if same else (list(control), list(treatment))),
+                           what=what)
+        if not (isinstance(got, tuple) and len(got) == 2 and all(_close(g, e, 1e-9) for g, e in zip(got, exp))):
+            raise failure(f"{NAME}: {what} is wrong.", expected=f"({exp[0]:.6g}, {exp[1]:.6g})", got=f"{got!r}",
+                          hint=REUSED_HINT if again else (
+                              "pair the runs (repeat i of each arm): speed-ups r_i = control_i / treatment_i; the "
+                              "interval is mean(r) -/+ T95[n - 1] * stdev(r) / sqrt(n), with n the repeats and "
+                              "statistics.stdev (n - 1 in the denominator). Return a tuple (lo, hi)."))
+
     def body():
         ledger = made["ledger"]
         for control, treatment in _INTERVAL_CASES:
-            what = f"speedup_interval(control={control}, treatment={treatment})"
-            got = learner_call(speedup_interval, list(control), list(treatment), what=what)
-            exp = ref_speedup_interval(control, treatment)
-            if not (isinstance(got, tuple) and len(got) == 2 and all(_close(g, e, 1e-9) for g, e in zip(got, exp))):
-                raise failure(f"{NAME}: {what} is wrong.", expected=f"({exp[0]:.6g}, {exp[1]:.6g})", got=f"{got!r}",
-                              hint=("pair the runs (repeat i of each arm): speed-ups r_i = control_i / treatment_i; "
-                                    "the interval is mean(r) -/+ T95[n - 1] * stdev(r) / sqrt(n), with n the repeats "
-                                    "and statistics.stdev (n - 1 in the denominator). Return a tuple (lo, hi)."))
+            r = [c / t for c, t in zip(control, treatment)]
+            if len(set(r)) > 1:
+                builds("varied repeats")
+            if abs(statistics.mean(r) - statistics.mean(control) / statistics.mean(treatment)) > 1e-9:
+                builds("paired samples")
+            interval(control, treatment)
+        # The same lists again, changed in place (a repeat timed anew): an interval kept by id() of an argument is
+        # the old samples'.
+        control, treatment = [2.0, 2.2, 1.8], [1.0, 1.0, 1.0]
+        interval(control, treatment, same=True)
+        control[2] = 3.0
+        builds("reused object")
+        interval(control, treatment, same=True, again=True)
         for lo, hi in _VERDICT_CASES:
+            if WORTH in (lo, hi):
+                builds("exactly at a bound")
+            if any(0 < abs(end - WORTH) <= 0.02 for end in (lo, hi)):
+                builds("just beside a bound")
             what = f"verdict({lo}, {hi})"
             got = learner_call(verdict, lo, hi, what=what)
             exp = ref_verdict(lo, hi)
@@ -593,6 +715,7 @@ def check_ledger(ledger: Any, speedup_interval: Callable, verdict: Callable, arm
         for e in ledger:
             name = e.get("optimisation", "?") if isinstance(e, dict) else "?"
             names.append(name)
+            builds("measured")  # its runs timed by ledger_run
             title = f"{NAME}: the ledger's entry {name!r}:"
             if not isinstance(e, dict) or not all(k in e for k in ("control", "treatment", "interval", "verdict")):
                 raise failure(f"{title} it lacks a field.", expected="a dict with optimisation, control, treatment, "

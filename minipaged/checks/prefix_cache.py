@@ -14,16 +14,20 @@ import builtins
 import random
 from typing import Any, Callable
 
-from ..block_allocator import BlockAllocator, OutOfBlocksError
+from ..block_allocator import BlockAllocator, BlockAllocatorError, OutOfBlocksError
 from ..block_table import BlockTable
 from ..parts import fork_table
 from ..prefix_cache import ROOT_HASH, PrefixCache, copy_on_write as ref_copy_on_write
 from ._delegation import guarded, refuse_reference, run_guarded
 from ._core import (
+    length_situations,
     Story,
     DEFAULT_TIMEOUT_S,
+    SITUATIONS,
     CheckFailed,
     Log,
+    builds,
+    describe_exception,
     failure,
     fmt_list,
     is_stub,
@@ -36,6 +40,19 @@ from ._core import (
 
 NAME = "08 prefix cache"
 
+# The situations of the prefix cache's rules that _core's names do not cover (issue 40).
+SITUATIONS.update({
+    "forbidden call": "a function the workbook forbids (Python's hash()) watched while the learner's code runs: refused",
+    "same block, other prefix": "the same tokens of a block after different prefixes (parent hashes): they must not match",
+    "ids past 8 bits": "token ids above 255 beside the ids they alias in one byte (1 and 257)",
+    "evictable block": "a cached block that no table holds any more (ref count 0): still findable, and counted free",
+    "revived block": "a hit on an evictable block: incref() takes it back from the evictable ones",
+    "eviction": "allocate() with the inner pool empty: a cached block no table holds is evicted and handed out",
+    "eviction order": "an eviction among two or more evictable blocks, so the least recently released must go",
+    "free beside evictable": "allocate() while the inner pool has a free block and cached blocks are evictable",
+})
+
+
 
 _MEMBERS = ("hash_block", "match_prefix", "cache_blocks", "allocate", "free", "incref", "ref_count",
             "num_free_blocks", "num_cached_blocks")
@@ -43,6 +60,7 @@ _MEMBERS = ("hash_block", "match_prefix", "cache_blocks", "allocate", "free", "i
 
 def _refuse_reference(cache_cls: Any = None, cow_fn: Any = None) -> None:
     """A check of minipaged's own code in the learner's place would prove nothing."""
+    builds("package code in place")  # refused here, and watched while the check runs
     if cache_cls is not None:
         own = [m for m in _MEMBERS if m in dir(cache_cls) and getattr(cache_cls, m, None) is getattr(PrefixCache, m)]
         if own:
@@ -62,6 +80,7 @@ def check_hash_chain(cache_cls: type, timeout: float = DEFAULT_TIMEOUT_S) -> Non
 
     def body():
         with guarded("08", NAME) as g:
+            builds("forbidden call")
             g.refuse(builtins.hash, "Python's hash()",
                      "its value for bytes and text changes from one process to the next (PYTHONHASHSEED), so a block "
                      "cached by one process is never found by another. Use hashlib.sha256(...).digest().")
@@ -83,30 +102,32 @@ def check_hash_chain(cache_cls: type, timeout: float = DEFAULT_TIMEOUT_S) -> Non
         if a is None:
             raise failure(f"{NAME}: c.hash_block(...) returned None.", hint="return the hash (bytes) you computed.")
         n = 0
-        cases = [
+        cases = [  # (what, one call, another call, equal hashes?, hint, the situations the pair builds)
             ("the same parent and tokens twice", (ROOT_HASH, [1, 2, 3, 4]), (ROOT_HASH, [1, 2, 3, 4]), True,
              "a hash must not depend on anything but its inputs: use hashlib (Python's hash() of bytes changes with "
-             "every process, and an id() or a counter is not a hash of the content)."),
+             "every process, and an id() or a counter is not a hash of the content).", ()),
             ("the same tokens after two different parents", (ROOT_HASH, [5, 6, 7, 8]), (a, [5, 6, 7, 8]), False,
              "the block's K/V depends on every token before it, so its hash must include its parent's hash: "
              "hashlib.sha256(parent + <the token ids as bytes>). Without it, a block found by its tokens alone "
-             "can hold the K/V of the same tokens at another place in another prompt."),
+             "can hold the K/V of the same tokens at another place in another prompt.", ("same block, other prefix",)),
             ("two different blocks after the same parent", (ROOT_HASH, [1, 2, 3, 4]), (ROOT_HASH, [1, 2, 3, 5]), False,
-             "every token id of the block goes into the hash."),
+             "every token id of the block goes into the hash.", ()),
             ("the same tokens in another order", (ROOT_HASH, [1, 2, 3, 4]), (ROOT_HASH, [4, 3, 2, 1]), False,
-             "encode the token ids in order (a sum or a set of them loses the order)."),
+             "encode the token ids in order (a sum or a set of them loses the order).", ()),
             ("token ids whose digits run together", (ROOT_HASH, [1, 23]), (ROOT_HASH, [12, 3]), False,
-             "separate the token ids when you turn them into bytes: str([1, 23]) or struct.pack, not ''.join."),
+             "separate the token ids when you turn them into bytes: str([1, 23]) or struct.pack, not ''.join.", ()),
             ("token ids 256 apart (a real vocabulary has 50,000 ids and more)", (ROOT_HASH, [1, 2, 3, 4]),
              (ROOT_HASH, [257, 2, 3, 4]), False,
              "every token id must go in whole: one byte per id (bytes(ids), % 256) cannot tell 1 from 257. "
-             "Use str(list(ids)).encode() or struct.pack with 4 or 8 bytes per id."),
+             "Use str(list(ids)).encode() or struct.pack with 4 or 8 bytes per id.", ("ids past 8 bits",)),
             ("token ids 65,536 apart", (ROOT_HASH, [70_000, 5]), (ROOT_HASH, [70_000 - 65_536, 5]), False,
-             "every token id must go in whole: two bytes per id cannot tell 4464 from 70000 (vocabularies reach 150,000)."),
+             "every token id must go in whole: two bytes per id cannot tell 4464 from 70000 (vocabularies reach 150,000).",
+             ("ids past 16 bits",)),
             ("large token ids, the same twice", (ROOT_HASH, [151_000, 99_999, 3, 4]), (ROOT_HASH, [151_000, 99_999, 3, 4]), True,
-             "a hash must depend only on its inputs, for token ids of any size."),
+             "a hash must depend only on its inputs, for token ids of any size.", ()),
         ]
-        for what, x, y, same, hint in cases:
+        for what, x, y, same, hint, situations in cases:
+            builds(*situations)
             hx, hy = h(*x), h(*y)
             n += 1
             if (hx == hy) != same:
@@ -115,8 +136,30 @@ def check_hash_chain(cache_cls: type, timeout: float = DEFAULT_TIMEOUT_S) -> Non
                     done=f"c.hash_block({_short(x[0])}, {x[1]}) -> {_short(hx)}\nc.hash_block({_short(y[0])}, {y[1]}) -> {_short(hy)}",
                     expected="equal hashes" if same else "different hashes", got="equal" if not same else "different",
                     hint=hint)
+        # One list object, changed in place between two calls (the engine appends to a sequence's ids in place): a
+        # memo keyed on id(token_ids) meets new contents and returns the old hash.
+        builds("reused object")
+        ids = [1, 2, 3, 4]
+        state["current"] = "c.hash_block(ROOT_HASH, ids) with ids = [1, 2, 3, 4], then ids[3] = 5 and again"
+        first = learner_call(c.hash_block, ROOT_HASH, ids, what="c.hash_block(ROOT_HASH, ids)")
+        ids[3] = 5
+        again = learner_call(c.hash_block, ROOT_HASH, ids, what="c.hash_block(ROOT_HASH, ids)  # after ids[3] = 5")
+        fresh = h(ROOT_HASH, [1, 2, 3, 5])
+        n += 1
+        if again == first or again != fresh:
+            raise failure(
+                f"{NAME}: hash_block gives a stale hash for a list of ids changed in place.",
+                done=f"ids = [1, 2, 3, 4]\nc.hash_block(ROOT_HASH, ids) -> {_short(first)}\nids[3] = 5\n"
+                     f"c.hash_block(ROOT_HASH, ids) -> {_short(again)}\n"
+                     f"c.hash_block(ROOT_HASH, [1, 2, 3, 5]) -> {_short(fresh)}  # a new list of the same ids",
+                expected="the hash of [1, 2, 3, 5], as for a new list of those ids",
+                got="the hash of the list's old contents" if again == first else "another hash",
+                hint="a hash depends on the ids the list holds now, not on which list object holds them: a memo "
+                     "keyed on id(token_ids) (or on the list itself) returns a stale hash when the list changes in "
+                     "place. Hash the ids each time, or key a memo on their values (tuple(token_ids)).")
         passed(f"hash chain: {n} pairs of blocks, each hashed as the rules say (the same inputs give the same hash, without "
-               "Python's hash(), which differs between processes; chained to the parent; every token id, of any size, in order).")
+               "Python's hash(), which differs between processes; chained to the parent; every token id, of any size, in order; "
+               "a list changed in place hashed by what it holds now).")
 
     run_with_time_limit(body, timeout, NAME, lambda: state["current"])
 
@@ -145,6 +188,8 @@ class _Run(Story):
         self.seqs: list[tuple[list[int], list[int]]] = []  # (tokens, blocks): the block tables the story holds
         self.prefix_of: dict[int, tuple] = {}  # block -> the tokens up to its end, when the reference last cached it
         self.evicted = 0  # the reference's num_evictions before the last operation
+        self.ids_seen: set[int] = set()  # every token id this cache was handed
+        self.ids: list[int] | None = None  # the list object admit() hands in again, once the story has one
         self.compare("creating the cache", op="create")
 
     # -- state ------------------------------------------------------------------------------
@@ -210,14 +255,34 @@ class _Run(Story):
                 raise self.fail(f"c.{name} differs after {after}.", expected=repr(exp), got=repr(got), hint=hint or hint2)
 
     # -- operations, played as the scheduler plays them ---------------------------------------
-    def admit(self, tokens: list[int]) -> None:
+    def admit(self, tokens: list[int], ids: list[int] | None = None) -> None:
+        """A prompt admitted. ``ids``: the story's one list object, set to ``tokens`` in place and handed to your
+        cache instead of a new list (the engine hands a sequence's own list of ids, which changes in place)."""
+        arg, name = list(tokens), str(tokens)
+        if ids is not None:
+            builds("reused object")
+            if self.ids is not ids:
+                self.ids = ids
+                self.log.add("ids = []  # one list object, handed to the cache at every call below")
+            ids[:] = tokens
+            arg, name = ids, "ids"
+            self.log.add(f"ids[:] = {tokens}  # changed in place")
+        self.builds_prompt(tokens)
         exp = self.ref.match_prefix(tokens)
-        got = self.call(self.mine.match_prefix, list(tokens), what=f"c.match_prefix({tokens})")
-        self.log.add(f"hit = c.match_prefix({tokens})  # -> {exp} expected")
+        got = self.call(self.mine.match_prefix, arg, what=f"c.match_prefix({name})")
+        self.log.add(f"hit = c.match_prefix({name})  # -> {exp} expected")
         got_l = list(got) if isinstance(got, (list, tuple)) else got
         if got_l != exp:
-            raise self.fail(f"c.match_prefix({tokens}) returned other blocks.", expected=fmt_list(exp), got=repr(got_l),
-                            hint=self._match_hint(tokens, exp, got_l))
+            hint = self._match_hint(tokens, exp, got_l) if ids is None else (
+                "this list object was handed to your cache before, holding other ids (it changed in place since): "
+                "a memo keyed on id(token_ids), or on the list itself, answers for its old contents. Look at the ids "
+                "the list holds now.")
+            raise self.fail(f"c.match_prefix({name}) returned other blocks.", expected=fmt_list(exp), got=repr(got_l),
+                            hint=hint)
+        bs, usable = self.bs, tuple(tokens[:-1])
+        if any(self.ref.is_cached(b) and len(q) > (len(exp) + 1) * bs and q == usable[: len(q)]
+               for b, q in self.prefix_of.items()):
+            builds("evicted middle block")  # the match ends at a block that is gone, before one still cached
         need = -(-len(tokens) // self.bs) - len(exp)
         revived = sum(1 for b in exp if self.ref.ref_count(b) == 0)
         if need > self.ref.num_free_blocks - revived:
@@ -225,15 +290,31 @@ class _Run(Story):
             return
         blocks = list(exp)
         for b in exp:
+            builds("revived block" if self.ref.ref_count(b) == 0 else "shared block")
             self.ref.incref(b)
             self.call(self.mine.incref, b, what=f"c.incref({b})")
             self.log.add(f"c.incref({b})  # share the cached block")
             self.compare(f"c.incref({b}) of a hit", op="incref")
         for _ in range(need):
             self.allocate(blocks)
-        self.cache(tokens, blocks)
+        self.cache(tokens, blocks, ids)
         self.seqs.append((list(tokens), blocks))
         self.stats["ops"] += 1
+
+    def builds_prompt(self, tokens: list[int]) -> None:
+        """The situations a prompt puts match_prefix in, against the ids and blocks this cache has seen."""
+        bs = self.bs
+        builds(*length_situations(len(tokens), bs))
+        self.ids_seen.update(tokens)
+        if any(t > 0xFFFF and t % 0x10000 in self.ids_seen for t in self.ids_seen):
+            builds("ids past 16 bits")
+        if any(t > 0xFF and t % 0x100 in self.ids_seen for t in self.ids_seen):
+            builds("ids past 8 bits")
+        for i in range(len(tokens) // bs):
+            block, before = tuple(tokens[i * bs : (i + 1) * bs]), tuple(tokens[: i * bs])
+            if any(self.ref.is_cached(b) and q[-bs:] == block and q[:-bs] != before for b, q in self.prefix_of.items()):
+                builds("same block, other prefix")
+                return
 
     def _match_hint(self, tokens, exp, got) -> str:
         if not isinstance(got, list):
@@ -281,6 +362,13 @@ class _Run(Story):
     def allocate(self, blocks: list[int]) -> None:
         # what was cached BEFORE the reference's allocate(), which may evict the very block it returns
         cached_before = {b for b in range(self.num_blocks) if self.ref.is_cached(b)}
+        evictable = self.ref.evictable()
+        if evictable and self.ref.pool.num_free_blocks:
+            builds("free beside evictable")
+        elif evictable:
+            builds("eviction")
+            if len(evictable) > 1:
+                builds("eviction order")
         self.evicted = self.ref.num_evictions
         exp = self.ref.allocate()
         got = self.call(self.mine.allocate, what="c.allocate()")
@@ -301,15 +389,19 @@ class _Run(Story):
         blocks.append(exp)
         self.compare(f"c.allocate() -> {exp}", op="allocate")
 
-    def cache(self, tokens: list[int], blocks: list[int]) -> None:
+    def cache(self, tokens: list[int], blocks: list[int], ids: list[int] | None = None) -> None:
+        """cache_blocks of a sequence's ``tokens``; ``ids``: the list object admit() handed in, holding them."""
+        builds(*length_situations(len(tokens), self.bs))  # full blocks only: a partial last block is not cached
         before = {b for b in blocks if self.ref.is_cached(b)}
         self.ref.cache_blocks(tokens, blocks)
         for i, b in enumerate(blocks[: len(tokens) // self.bs]):
             if b not in before and self.ref.is_cached(b):
                 self.prefix_of[b] = tuple(tokens[: (i + 1) * self.bs])
-        self.call(self.mine.cache_blocks, list(tokens), list(blocks), what=f"c.cache_blocks({tokens}, {blocks})")
-        self.log.add(f"c.cache_blocks({tokens}, {blocks})")
-        self.compare(f"c.cache_blocks({tokens}, {blocks})", op="cache")
+        name = str(tokens) if ids is None else "ids"
+        self.call(self.mine.cache_blocks, list(tokens) if ids is None else ids, list(blocks),
+                  what=f"c.cache_blocks({name}, {blocks})")
+        self.log.add(f"c.cache_blocks({name}, {blocks})")
+        self.compare(f"c.cache_blocks({name}, {blocks})", op="cache")
 
     def grow(self, rng: random.Random) -> None:
         tokens, blocks = rng.choice(self.seqs)
@@ -327,6 +419,8 @@ class _Run(Story):
         for b in (blocks if forward else reversed(blocks)):  # minipaged's block table frees its last block first
             cached = self.ref.is_cached(b)
             self.ref.free(b)
+            if cached and self.ref.ref_count(b) == 0:
+                builds("evictable block")
             self.call(self.mine.free, b, what=f"c.free({b})")
             self.log.add(f"c.free({b})" + ("  # cached: stays findable" if cached else ""))
             self.compare(f"c.free({b})" + (" of a cached block" if cached else ""), op="free")
@@ -336,6 +430,7 @@ class _Run(Story):
         """allocate() while every block is held by a table: OutOfBlocksError, and nothing changes."""
         if self.ref.num_free_blocks:
             return
+        builds("full pool", "exception type")
         self.log.add("c.allocate()  # every block is held by a table: must raise OutOfBlocksError")
         try:
             got = self.call(self.mine.allocate, what="c.allocate()")
@@ -363,18 +458,23 @@ class _Run(Story):
         if not idle:
             return
         b = rng.choice(idle)
+        builds("misuse", "exception type")
         self.log.add(f"c.free({b})  # cached, but no table holds it: must raise BlockAllocatorError")
         self.stats["current"] = f"c.free({b})  ({self.label})"
         try:
             self.mine.free(b)
         except NotImplementedError:
             raise not_implemented(f"{self.cls.__name__}.free") from None
-        except ValueError:
+        except BlockAllocatorError:
             self.compare(f"c.free({b}) of an evictable block (which must change nothing)", op="misuse",
                          hint="check the ref count (without the cache's own hold) before changing anything.")
             return
-        except Exception as e:  # noqa: BLE001
-            raise self.fail(f"c.free({b}) raised {type(e).__name__}, not BlockAllocatorError.", hint="raise BlockAllocatorError.")
+        except Exception as e:  # noqa: BLE001 - any other type, a plain ValueError too, is not the rule's
+            raise self.fail(f"c.free({b}) raised {type(e).__name__}, not BlockAllocatorError.",
+                            expected="BlockAllocatorError (from minipaged import BlockAllocatorError)",
+                            got=describe_exception(e),
+                            hint="a double free raises BlockAllocatorError: the code that frees blocks catches exactly "
+                                 "that type, which a plain ValueError (its parent class) or another error slips past.") from None
         raise self.fail(f"c.free({b}) of a cached block that no block table holds did not raise.",
                         expected="BlockAllocatorError: a double free", got="it returned normally",
                         hint="its ref count (the tables that hold it) is 0: freeing it again is a double free, even "
@@ -421,6 +521,11 @@ def _scenarios(cls, stats) -> None:
     r.release(index=0, forward=True)  # a table that frees its first block first: evictable 0, 1, 2 in that order
     r.admit([1, 2, 9, 9, 9, 9, 9, 9, 9])  # revives block 0; the pool is empty, so block 1 (oldest) is evicted
     r.admit([1, 2, 3, 4, 5, 6, 8])  # block 0 cached, block 1 evicted, block 2 still cached: the match is [0]
+    r = _Run(cls, 8, 2, "one list of ids, changed in place between calls: the same object, other tokens", stats)
+    ids: list[int] = []  # handed in each time, as the engine hands a sequence's own list, which changes in place
+    r.admit([1, 2, 3, 4, 5], ids=ids)
+    r.admit([1, 2, 3, 4, 7], ids=ids)  # caches nothing new: the next call meets the cache as this one left it
+    r.admit([1, 2, 9, 9, 5], ids=ids)  # only block 0 is theirs: a memo keyed on id(ids) answers for the old ids
 
 
 def check_lookup_and_eviction(cache_cls: type, seed: int = 0, runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -472,23 +577,44 @@ def check_copy_on_write(cow_fn: Callable, seed: int = 0, runs: int = 40, timeout
             tables = [parent] + [fork_table(parent) for _ in range(forks)]
             sides.append((pool, tables))
         log.add(f"children = [fork_table(parent) for _ in range({forks})]  # from minipaged.parts import fork_table")
+        if forks:
+            builds("forked table")
         (rp, rt), (mp, mt) = sides
         for (ti, start, end) in writes:
             what = f"copy_on_write({'parent' if ti == 0 else f'children[{ti - 1}]'}, {start}, {end})"
             state["current"] = f"{what}  ({label})"
             rc_before = {b: rp.ref_count(b) for b in rt[ti].blocks}
+            if end == start:
+                builds("empty")
+            else:
+                builds(*length_situations(end, bs))
+                if any(rc_before[b] > 1 for b in rt[ti].blocks[start // bs : (end - 1) // bs + 1]):
+                    builds("shared block")  # the write falls in a block another table holds
             try:
                 exp = ref_copy_on_write(rt[ti], start, end)
             except OutOfBlocksError:
                 exp = None  # the pool is short: all or nothing
             if exp is None:
+                builds("exception type")
+                if rp.num_free_blocks == 0:
+                    builds("full pool")
                 log.add(f"{what}  # {rp.num_free_blocks} free block(s), fewer than the copies needed: "
                         "must raise OutOfBlocksError and change nothing")
                 try:
                     got = learner_call(cow_fn, mt[ti], start, end, what=what, context=lambda: log.render())
                 except CheckFailed as e:
-                    if not isinstance(e.__cause__, OutOfBlocksError):
+                    cause = e.__cause__
+                    if cause is None:
                         raise
+                    if not isinstance(cause, OutOfBlocksError):
+                        raise failure(f"{NAME}: {what} raised {type(cause).__name__}, not OutOfBlocksError.",
+                                      done=f"Run: {label}.\n" + log.render(),
+                                      expected="OutOfBlocksError (from minipaged import OutOfBlocksError), with nothing changed",
+                                      got=describe_exception(cause),
+                                      hint="the pool has fewer free blocks than the copies the write needs: raise "
+                                           "OutOfBlocksError before replacing any block. The scheduler catches exactly "
+                                           "that type to preempt, which a MemoryError (its parent class) or another "
+                                           "error slips past.") from None
                     got = None
                 else:
                     raise failure(f"{NAME}: {what} did not raise, but the pool has too few free blocks for its copies.",
@@ -599,6 +725,7 @@ def tiny_model() -> Any:
 def _refuse_sharing(fork_fn: Any, free_fn: Any, cow_fn: Any) -> None:
     from ..parts import fork_table as ref_fork, free_table as ref_free
 
+    builds("package code in place")  # refused here, and watched while the beam searches run
     for fn, ref, what in ((fork_fn, ref_fork, "fork_table (minipaged.parts)"), (free_fn, ref_free, "free_table (minipaged.parts)"),
                           (cow_fn, ref_copy_on_write, "copy_on_write (minipaged.prefix_cache)")):
         refuse_reference(fn, ref, NAME, what)
@@ -633,6 +760,10 @@ class _Plugged:
 
     def fork_table(self, table: Any) -> Any:
         held = list(table.blocks)
+        builds("forked table")
+        if held:
+            builds("shared block")  # the child shares every block of the parent
+        builds(*length_situations(table.num_tokens, table.block_size))
         before = self._counts(table, held)
         child = self._call("fork_table", table)
         after = self._counts(table, held)
@@ -659,11 +790,18 @@ class _Plugged:
         return child
 
     def copy_on_write(self, table: Any, start: int, end: int) -> Any:
+        bs = table.block_size
+        if end > start:
+            builds(*length_situations(end, bs))
+            if any(table.allocator.ref_count(b) > 1 for b in table.blocks[start // bs : (end - 1) // bs + 1]):
+                builds("shared block")  # the beam writes into a block a sibling holds
         return self._call("copy_on_write", table, start, end)
 
     def free_table(self, table: Any) -> None:
         held = list(table.blocks)
         before = self._counts(table, held)
+        if any(n > 1 for n in before.values()):
+            builds("shared block")  # a beam that falls out gives back blocks its siblings keep
         self._call("free_table", table)
         after = self._counts(table, held)
         twice = sorted(b for b in before if before[b] - after[b] > held.count(b))

@@ -19,8 +19,11 @@ from ..block_table import BlockTable
 from ..scheduler import Scheduler, SchedulerOutput
 from ..sequence import Sequence, SequenceStatus
 from ._core import (
+    length_situations,
     DEFAULT_TIMEOUT_S,
+    SITUATIONS,
     CheckFailed,
+    builds,
     failure,
     fmt_list,
     learner_call,
@@ -32,6 +35,19 @@ from ._delegation import refuse_package_class, run_guarded
 NAME = "06 scheduler"
 MUST_WRITE = ("add_request", "schedule")  # update, finish, abort are inherited: the contract, not the policy
 EOS = 2
+
+# The situations of the scheduler's rules that _core's names do not cover (issue 40).
+SITUATIONS.update({
+    "whole pool": "a request that needs exactly every block of the pool: it fits, though it waits for all of them",
+    "max_num_seqs reached": "as many sequences running as max_num_seqs allows, with more waiting",
+    "head does not fit": "the head of the waiting queue does not fit the free blocks while a request behind it would",
+    "budget runs out among the running": "a token budget no larger than the running sequences need, so serving "
+                                         "self.running uses it up, to its last token",
+    "room after a preemption": "a step that preempted yet left budget, a seat and free blocks for the head of the "
+                               "waiting queue",
+    "preempted before others waiting": "a sequence preempted while other requests wait, so the front and the back "
+                                       "of the waiting queue differ",
+})
 
 
 def _token(seed: int, rid: int, n: int) -> int:
@@ -71,6 +87,7 @@ def make_scheduler(cls: type, cfg: Config, pool=None):
 
 def _sid(seq) -> str:
     return f"r{seq.seq_id}"
+
 
 
 class _Sim:
@@ -153,6 +170,7 @@ class _Sim:
         r = Sequence(rid, prompt, max_tokens=max_tokens, eos_token_ids=(EOS,), ignore_eos=self.ignore_eos)
         m = Sequence(rid, prompt, max_tokens=max_tokens, eos_token_ids=(EOS,), ignore_eos=self.ignore_eos)
         self.ref_seqs[rid], self.my_seqs[rid] = r, m
+        self.builds_request(r)
         exactly = ", ignore_eos (generates exactly max_tokens)" if self.ignore_eos else ""
         self.requests.append(f"r{rid}: prompt of {prompt_len} tokens, max_tokens={max_tokens}{exactly}, "
                              f"arrives before step {self.step_no + 1}")
@@ -190,11 +208,67 @@ class _Sim:
                                 hint="the engine reports reject_reason to the user: say why and what to change.")
         self.compare_state(f"{what}")
 
+    def builds_request(self, seq: Sequence) -> None:
+        """The situations ``seq`` puts add_request in: a case of the rule, or an edge of the whole pool."""
+        mml = self.cfg.max_model_len
+        if seq.num_prompt_tokens == 0 or seq.max_tokens < 1:
+            builds("empty")
+            return
+        if mml is not None and max(seq.num_prompt_tokens, seq.max_total_tokens) >= mml:
+            builds("max_model_len")
+            if seq.num_prompt_tokens >= mml:
+                return  # rejected for the prompt: the pool is never asked
+        total = seq.max_total_tokens if mml is None else min(seq.max_total_tokens, mml)
+        edge = total - self.cfg.num_blocks * self.cfg.block_size  # tokens past what the whole pool holds
+        if edge == 0:
+            builds("whole pool", "block boundary")
+        elif edge == -1:
+            builds("just below a boundary")
+        elif edge == 1:
+            builds("just above a boundary")
+
     # -- one step --------------------------------------------------------------------------
+    def builds_before(self) -> None:
+        """The situations the reference's state puts this step's schedule() in."""
+        running = self.ref.running
+        if running and self.ref.allocator.num_free_blocks == 0:
+            builds("full pool")
+        if len(running) > 1 and sum(s.num_tokens - s.num_computed_tokens for s in running) >= self.cfg.budget:
+            builds("budget runs out among the running")
+
+    def builds_after(self, out: SchedulerOutput) -> None:
+        """The situations of what the reference's schedule() just did (update() has not moved anything yet)."""
+        cfg, ref = self.cfg, self.ref
+        bs, free, left = cfg.block_size, ref.allocator.num_free_blocks, cfg.budget - out.num_batched_tokens
+        if not out.scheduled:
+            builds("empty")
+        for s in out.scheduled:
+            builds(*length_situations(s.start + s.num_new_tokens, bs))
+            if s.start + s.num_new_tokens < s.seq.num_tokens:
+                builds("budget remainder")  # a chunk: the budget left less than the sequence needs
+
+        def fits(q: Sequence) -> bool:  # its first chunk's blocks, as admission counts them
+            return -(-min(q.num_tokens - q.num_computed_tokens, left) // bs) <= free
+
+        waiting = list(ref.waiting)
+        seat = len(ref.running) < cfg.max_num_seqs
+        if waiting and not seat:
+            builds("max_num_seqs reached")
+        if out.preempted:
+            builds("preemption")
+            if len(waiting) > len(out.preempted):
+                builds("preempted before others waiting")
+            if seat and left > 0 and fits(waiting[0]):
+                builds("room after a preemption")
+        elif seat and left > 0 and waiting and not fits(waiting[0]) and any(fits(q) for q in waiting[1:]):
+            builds("head does not fit")
+
     def step(self) -> bool:
         self.step_no += 1
         self.in_step = True
+        self.builds_before()
         out_r = self.ref.schedule()
+        self.builds_after(out_r)
         out_m = self.call(self.mine.schedule, what="sched.schedule()")
         self.stats["ops"] += 1
         if self.checking:
@@ -412,6 +486,10 @@ def _fixed(part: str) -> list[tuple[str, Config, list[tuple[int, int, int, int]]
             ("requests that can never run are rejected at once", Config(4, 4, 4, 16, max_model_len=12),
              [(0, 0, 0, 4), (0, 1, 3, 0), (0, 2, 12, 2), (0, 3, 10, 10), (0, 4, 8, 9), (0, 5, 5, 20), (0, 6, 6, 3)]),
             ("a request that needs exactly the whole pool fits", Config(3, 4, 4, 16), [(0, 0, 6, 7), (0, 1, 6, 8), (1, 2, 3, 2)]),
+            # SmolLM2's context in a pool of exactly 2,048 tokens: prompts at, past and one short of max_model_len, and
+            # one whose max_tokens runs past the context (it needs the whole pool, capped at max_model_len, not more)
+            ("SmolLM2's context: max_model_len=2048, block_size=16, a pool of 128 blocks (2,048 tokens)",
+             Config(128, 16, 4, 2048, max_model_len=2048), [(0, 0, 2048, 1), (0, 1, 2049, 1), (0, 2, 2047, 1), (0, 3, 2040, 100)]),
         ]
     return runs
 
@@ -488,6 +566,7 @@ def replay(cls: type, label: str, steps: int, seed: int | None = None):
 
 
 def _check(cls: type, part: str, seed: int, runs: int, timeout: float, title: str) -> None:
+    builds("package code in place")  # refused here, and watched while every story runs
     refuse_package_class(cls, MUST_WRITE, NAME, "scheduler")
     stats = {"ops": 0, "runs": 0, "current": f"creating {cls.__name__}"}
 

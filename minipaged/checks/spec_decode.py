@@ -2,8 +2,10 @@
 
 - ``check_proposer(propose_ngram)``: the learner's proposer and ``minipaged.spec_decode.propose_ngram``
   get the same token ids, ``k`` and n-gram range (fixed stories, then seeded random ones, short and
-  long, small and real-vocabulary ids) and must give the same draft; a difference is explained by
-  the rule it breaks (each rule's wrong reading is computed and compared with the learner's answer).
+  long up to SmolLM2's 2,048-token context, small and real-vocabulary ids beside their 16-bit aliases,
+  then one list handed in again after it changed in place) and must give the same draft; a difference
+  is explained by the rule it breaks (each rule's wrong reading is computed and compared with the
+  learner's answer).
 - ``check_truncate(MyBlockTable)``: the learner's table and minipaged's BlockTable, each on its own
   BlockAllocator, are driven through the same appends, rollbacks (``truncate(num_tokens)``), forks
   and misuse; after every operation every table's blocks and token count, the pool's free count,
@@ -24,17 +26,19 @@ import warnings
 from typing import Any, Callable
 
 from .. import parts
-from ..block_allocator import BlockAllocator
+from ..block_allocator import BlockAllocator, BlockAllocatorError
 from ..block_table import BlockTable
 from ..interfaces import BlockTableProtocol
 from ..spec_decode import propose_ngram as ref_propose
 from ..spec_decode import truncate_table as ref_truncate_table
 from . import _delegation
 from ._core import (
+    SITUATIONS,
     Story,
     DEFAULT_TIMEOUT_S,
     CheckFailed,
     Log,
+    builds,
     describe_exception,
     failure,
     fmt_list,
@@ -56,25 +60,45 @@ MUST_WRITE = ("truncate",)
 _delegation.WATCH.setdefault("09", [("minipaged.spec_decode", "propose_ngram"), ("minipaged.spec_decode", "truncate_table"),
                                      ("minipaged.spec_decode", "rollback")])
 
+# The situations workbook 09's rules name that the shared vocabulary (_core.SITUATIONS) has no word for.
+SITUATIONS.update({
+    "no earlier occurrence": "no suffix of min_n tokens or more occurs earlier: the answer is no draft ([])",
+    "suffix at its own place": "a draft case: the suffix also matches at its own place at the end, where nothing follows it",
+    "overlapping occurrence": "the most recent earlier occurrence of the suffix shares tokens with the suffix itself",
+    "longer and shorter matches": "the suffix matches earlier at several lengths, a shorter match more recent than the longest",
+    "match longer than max_n": "an older occurrence matches more than max_n tokens, a more recent one exactly max_n",
+    "match shorter than min_n": "the suffix occurs earlier only in fewer than min_n tokens",
+    "several occurrences": "the suffix occurs earlier more than once, each time followed by other tokens",
+    "continuation longer than k": "more than k tokens follow the occurrence",
+    "continuation shorter than k": "fewer than k tokens follow the most recent occurrence (the sequence ends sooner), more "
+                                   "follow an older one",
+    "several blocks dropped": "a rollback that gives back more than one block at once, so the order they go back in shows",
+    "pool calls recorded": "the pool handed to the learner's part records each call of its contract's members, so a part "
+                           "that changes the pool's insides instead shows",
+})
+
 
 # -- the proposer -----------------------------------------------------------------------------------
 def _variant(toks: list, k: int, min_n: int, max_n: int | None, *, longest: bool = True, recent: bool = True,
-             overlap: bool = True, need_k: bool = False, itself: bool = False, whole: bool = False) -> list:
+             overlap: bool = True, need_k: bool = False, itself: bool = False, whole: bool = False,
+             narrow: bool = False) -> list:
     """The proposer's rules, each of which can be read wrongly: the reference with every flag at its
-    default (max_n None: no upper bound). Slow and plain on purpose: it is read, not run in the engine."""
+    default (max_n None: no upper bound; narrow: ids compared in 16 bits). Slow and plain on purpose: it is
+    read, not run in the engine."""
     L = len(toks)
     if k < 1 or min_n < 1:
         return []
+    seen = [t % 65536 for t in toks] if narrow else toks
     top = L - 1 if max_n is None else max_n
     sizes = range(top, min_n - 1, -1) if longest else range(min_n, top + 1)
     for n in sizes:
         if n > L - (0 if itself else 1):
             continue
-        suffix = toks[L - n:]
+        suffix = seen[L - n:]
         last_start = (L - n) if itself else (L - n - 1 if overlap else L - 2 * n)
         starts = range(last_start, -1, -1) if recent else range(0, last_start + 1)
         for i in starts:
-            if toks[i:i + n] != suffix:
+            if seen[i:i + n] != suffix:
                 continue
             follow = toks[i + n:] if whole else toks[i + n:i + n + k]
             if need_k and len(toks[i + n:]) < k:
@@ -112,6 +136,12 @@ _READINGS = [
 def _why(got: Any, toks: list, k: int, min_n: int, max_n: int) -> str:
     if isinstance(got, list) and len(got) > k:
         return next(h for f, _, h in _READINGS if f.get("whole"))
+    if any(t > 0xFFFF for t in toks):  # a draft found by comparing ids in 16 bits: the ids or their aliases come back
+        alt = _variant(toks, k, min_n, max_n, narrow=True)
+        if got in (alt, [t % 65536 for t in alt]):
+            return ("token ids go up to the vocabulary's size (151,000 in Qwen's), past 16 bits: 70,000 and 4,464 are "
+                    "equal modulo 65,536 but are different tokens. Compare the ids themselves; never keep them in 16 "
+                    "bits (numpy uint16, array('H'), two bytes per id).")
     fits = []
     for flags, rule, hint in _READINGS:
         kw = {"max_n": max_n, "min_n": min_n, **flags}
@@ -124,41 +154,74 @@ def _why(got: Any, toks: list, k: int, min_n: int, max_n: int) -> str:
     if len(fits) == 1 and got != []:
         return fits[0][1]
     if fits:
-        head = ("your draft is empty where the reference proposes tokens: no single mistake can be named from that. "
-                if got == [] else "your draft fits more than one wrong reading, so no single cause can be named. ")
+        head = (f"your draft is empty where the reference proposes tokens{_found(toks, min_n, max_n)}: no single "
+                "mistake can be named from that. " if got == [] else
+                "your draft fits more than one wrong reading, so no single cause can be named. ")
         return head + "The rules that could explain it: " + " ".join(
             f"({i}) {rule}: {hint}" for i, (rule, hint) in enumerate(fits, 1))
     if got == []:
-        return ("your draft is empty where the reference proposes tokens, and no single wrong reading of the rules gives "
-                "that here. Check that you search every n from max_n down to min_n, every earlier start (overlapping "
-                "the suffix too, but not the suffix itself), and return what follows the first match found.")
+        return (f"your draft is empty where the reference proposes tokens{_found(toks, min_n, max_n)}, and no single "
+                "wrong reading of the rules gives that here. Check that you search every n from max_n down to min_n, "
+                "every earlier start (overlapping the suffix too, but not the suffix itself), and return what follows "
+                "the first match found.")
     return ("find the longest n in max_n..min_n whose last-n tokens occur earlier in token_ids, take the most recent such "
             "occurrence, and return up to k tokens that followed it there.")
+
+
+def _found(toks: list, min_n: int, max_n: int) -> str:
+    """Where the reference's match is, for a learner who found none (a search that stops short shows)."""
+    L = len(toks)
+    for n in range(max_n, min_n - 1, -1):
+        for i in range(L - n - 1, -1, -1):
+            if toks[i:i + n] == toks[L - n:]:
+                return f" (it matches the last {plural(n, 'token')} at position {i} of {L})"
+    return ""
 
 
 def _show(toks: list) -> str:
     return fmt_list(toks, limit=40)
 
 
-def _proposer_cases(seed: int, runs: int) -> list:
-    """(label, token_ids, k, min_n, max_n): fixed stories first, then seeded random ones."""
-    cases = [
-        ("nothing to look up: too short", [5], 3, 1, 3),
-        ("no earlier occurrence", [1, 2, 3, 4], 3, 1, 3),
-        ("the last token occurred once before", [1, 2, 3, 1], 2, 1, 3),
-        ("the suffix itself is not an earlier occurrence", [4, 5, 6, 7, 4], 3, 1, 2),
-        ("a longer match beats a more recent shorter one", [1, 2, 3, 9, 8, 3, 7, 7, 2, 3], 2, 1, 3),
-        ("two earlier occurrences: the most recent wins", [1, 2, 8, 1, 2, 9, 1, 2], 1, 2, 2),
-        ("no match of min_n tokens: no draft", [1, 2, 3, 4, 5, 9, 5], 3, 2, 4),
-        ("max_n caps the match: an older longer match loses to the most recent match of max_n tokens",
-         [1, 2, 3, 4, 6, 0, 2, 3, 4, 8, 1, 2, 3, 4], 1, 1, 3),
-        ("an occurrence that overlaps the suffix", [5, 7, 7, 7], 1, 2, 2),
-        ("a run of one token", [3, 3, 3, 3, 3, 3], 4, 2, 3),
-        ("fewer than k tokens follow the most recent occurrence", [1, 2, 5, 1, 2, 6, 7, 1, 2, 3, 1, 2], 3, 2, 2),
-        ("k tokens at most", [1, 2, 3, 4, 5, 6, 7, 8, 1, 2], 3, 1, 2),
-        ("a quoted line of code", [10, 11, 12, 13, 14, 15, 16, 99, 10, 11, 12], 4, 1, 4),
-        ("token ids of a real vocabulary", [151_000, 2, 70_000, 4, 65_537, 151_000, 2, 70_000], 3, 2, 3),
-    ]
+# The fixed cases, played first: (label, token_ids, k, min_n, max_n, the situations it builds).
+_D, _X, _W = "suffix at its own place", "continuation longer than k", "no earlier occurrence"  # most cases build them
+_FIXED_CASES = [
+    ("nothing to look up: too short", [5], 3, 1, 3, (_W,)),
+    ("no earlier occurrence", [1, 2, 3, 4], 3, 1, 3, (_W,)),
+    ("the last token occurred once before", [1, 2, 3, 1], 2, 1, 3, (_D, _X)),
+    ("the suffix itself is not an earlier occurrence", [4, 5, 6, 7, 4], 3, 1, 2, (_D, _X)),
+    ("a longer match beats a more recent shorter one", [1, 2, 3, 9, 8, 3, 7, 7, 2, 3], 2, 1, 3,
+     ("longer and shorter matches", _D, _X)),
+    ("two earlier occurrences: the most recent wins", [1, 2, 8, 1, 2, 9, 1, 2], 1, 2, 2, ("several occurrences", _D, _X)),
+    ("no match of min_n tokens: no draft", [1, 2, 3, 4, 5, 9, 5], 3, 2, 4, ("match shorter than min_n", _W)),
+    # The oldest [2, 3, 4] (followed by 5) keeps the first-occurrence reading apart from ignoring max_n (6).
+    ("max_n caps the match: an older longer match loses to the most recent match of max_n tokens",
+     [2, 3, 4, 5, 1, 2, 3, 4, 6, 0, 2, 3, 4, 8, 1, 2, 3, 4], 1, 1, 3,
+     ("match longer than max_n", "several occurrences", _D, _X)),
+    # An older occurrence that does not overlap (followed by 1), after the oldest (followed by 2): a search that
+    # skips overlapping occurrences proposes 1, not the empty draft that many mistakes give.
+    ("an occurrence that overlaps the suffix, more recent than one that does not", [7, 7, 2, 7, 7, 1, 5, 7, 7, 7],
+     1, 2, 2, ("overlapping occurrence", "several occurrences", _D)),
+    ("an occurrence that overlaps the suffix", [5, 7, 7, 7], 1, 2, 2, ("overlapping occurrence", _D)),
+    ("a run of one token", [3, 3, 3, 3, 3, 3], 4, 2, 3,
+     ("overlapping occurrence", "several occurrences", "continuation shorter than k", _D)),
+    ("fewer than k tokens follow the most recent occurrence", [1, 2, 5, 1, 2, 6, 7, 1, 2, 3, 1, 2], 4, 2, 2,
+     ("continuation shorter than k", "several occurrences", _D)),
+    ("k tokens at most", [1, 2, 3, 4, 5, 6, 7, 8, 1, 2], 3, 1, 2, (_D, _X)),
+    ("a quoted line of code", [10, 11, 12, 13, 14, 15, 16, 99, 10, 11, 12], 4, 1, 4, (_D, _X)),
+    ("token ids of a real vocabulary", [151_000, 2, 70_000, 4, 65_537, 151_000, 2, 70_000], 3, 2, 3, (_D, _X)),
+    ("no token ids at all", [], 3, 1, 3, ("empty", _W)),
+    # A learner who keeps ids in 16 bits sees 151,000 and 70,000 again at positions 4-5 (19,928 and 4,464).
+    ("token ids past 16 bits beside their 16-bit aliases (id % 65,536)",
+     [151_000, 70_000, 65_537, 9, 19_928, 4_464, 1, 8, 151_000, 70_000], 3, 1, 2, ("ids past 16 bits", _D, _X)),
+    # 2,048 distinct ids spread over the vocabulary: the suffix's only earlier occurrence is the very first tokens.
+    ("a sequence as long as SmolLM2's context (2,048 tokens): the only earlier occurrence is at the start",
+     [7 + 73 * i for i in range(2046)] + [7, 80], 3, 1, 3, ("max_model_len", _D, _X)),
+]
+
+
+def _random_cases(seed: int, runs: int) -> list:
+    """Seeded random cases, in _FIXED_CASES' form: short and long, small vocabularies and a real one's ids."""
+    cases = []
     rng = random.Random(seed)
     for i in range(runs):
         vocab = rng.choice([2, 3, 4, 8, 50_000])
@@ -169,8 +232,15 @@ def _proposer_cases(seed: int, runs: int) -> list:
             toks += toks[a:a + rng.randint(1, 8)]
         lo = rng.randint(1, 3)
         hi = rng.randint(lo, lo + 3)
-        cases.append((f"random case {i + 1} of {runs} (seed {seed})", toks, rng.randint(1, 6), lo, hi))
+        cases.append((f"random case {i + 1} of {runs} (seed {seed})", toks, rng.randint(1, 6), lo, hi,
+                      ("random stories",)))
     return cases
+
+
+# One list object handed in again and again, changed in place between the calls (a sequence's token list grows
+# between the engine's steps): each time the draft differs from the one before, so a draft memoized on
+# id(token_ids) or on the list object is stale. (contents, k, min_n, max_n)
+_REUSED_LIST = [([1, 2, 3, 1], 2, 1, 3), ([1, 2, 3, 3], 2, 1, 3), ([1, 2, 3, 3, 9], 2, 1, 3), ([7, 7], 2, 1, 3)]
 
 
 def _refuse_proposer(fn: Any) -> None:
@@ -181,31 +251,64 @@ def check_proposer(propose_fn: Callable, seed: int = 0, runs: int = 300, timeout
     """``propose_ngram(token_ids, k, min_n, max_n)`` gives the reference's draft on every case."""
     _refuse_proposer(propose_fn)
     state = {"current": "", "n": 0, "drafts": 0}
+    # Every list handed in stays alive until the check ends, so no id() is reused by chance: a draft memoized on
+    # id(token_ids) meets a reused id only in the story made for it (_REUSED_LIST), whose hint says so.
+    held: list = []
+
+    def ask(label: str, toks: list, k: int, lo: int, hi: int, hint: Callable | None = None) -> list:
+        """``propose_fn(toks, ...)`` against the reference's draft; ``hint(got)`` (when given) explains a difference
+        before the rules do."""
+        held.append(toks)
+        shown = list(toks)
+        what = f"propose_ngram({_show(shown)}, {k}, {lo}, {hi})"
+        state["current"] = f"{what}  ({label})"
+        exp = ref_propose(shown, k, lo, hi)
+        got = learner_call(propose_fn, toks, k, lo, hi, what=what)
+        if isinstance(got, tuple):
+            got = list(got)
+        if not isinstance(got, list) or not all(type(t) is int for t in got):
+            raise failure(f"{NAME}: {what} returned {got!r} ({type(got).__name__}).",
+                          done=f"Case: {label}.", expected=f"a list of token ids: {exp}", got=repr(got),
+                          hint="return a list of ints, [] when there is no draft (never None).")
+        state["n"] += 1
+        state["drafts"] += bool(exp)
+        if got != exp:
+            raise failure(
+                f"{NAME}: {what} gives another draft.",
+                done=f"Case: {label}.\n    token_ids = {_show(shown)}\n    k = {k}, min_n = {lo}, max_n = {hi}",
+                expected=repr(exp), got=repr(got), hint=(hint and hint(got)) or _why(got, shown, k, lo, hi))
+        return got
 
     def body():
         with guarded("09", NAME):
-            for label, toks, k, lo, hi in _proposer_cases(seed, runs):
-                what = f"propose_ngram({_show(toks)}, {k}, {lo}, {hi})"
-                state["current"] = f"{what}  ({label})"
-                exp = ref_propose(list(toks), k, lo, hi)
-                got = learner_call(propose_fn, list(toks), k, lo, hi, what=what)
-                if isinstance(got, tuple):
-                    got = list(got)
-                if not isinstance(got, list) or not all(type(t) is int for t in got):
-                    raise failure(f"{NAME}: {what} returned {got!r} ({type(got).__name__}).",
-                                  done=f"Case: {label}.", expected=f"a list of token ids: {exp}", got=repr(got),
-                                  hint="return a list of ints, [] when there is no draft (never None).")
-                state["n"] += 1
-                state["drafts"] += bool(exp)
-                if got != exp:
-                    raise failure(
-                        f"{NAME}: {what} gives another draft.",
-                        done=f"Case: {label}.\n    token_ids = {_show(toks)}\n    k = {k}, min_n = {lo}, max_n = {hi}",
-                        expected=repr(exp), got=repr(got), hint=_why(got, list(toks), k, lo, hi))
+            builds("package code in place")
+            for label, toks, k, lo, hi, situations in _FIXED_CASES:
+                builds(*situations)
+                ask(label, list(toks), k, lo, hi)
+            builds("reused object")
+            seq: list = []
+            before: list | None = None
+            for j, (contents, k, lo, hi) in enumerate(_REUSED_LIST, 1):
+                seq[:] = contents  # the same list object, its contents changed in place
+                label = (f"one list object, handed in {len(_REUSED_LIST)} times and changed in place between the calls "
+                         f"(call {j}; the draft differs from the call before)")
+                before = ask(label, seq, k, lo, hi, hint=lambda got, prev=before: _stale(got, prev))
+            for label, toks, k, lo, hi, situations in _random_cases(seed, runs):
+                builds(*situations)
+                ask(label, list(toks), k, lo, hi)
 
     run_with_time_limit(body, timeout, NAME, lambda: state["current"])
     passed(f"n-gram proposer: {state['n']} sequences ({state['drafts']} with a draft); on every one your draft equals "
            "the reference's (the longest n-gram in min_n..max_n, its most recent earlier occurrence, up to k tokens).")
+
+
+def _stale(got: list, before: list | None) -> str:
+    """The hint when your draft for a list changed in place is the one you gave for its old contents."""
+    if before is None or got != before:
+        return ""
+    return ("your draft is the one you gave for this list before it changed: it is the same list object, changed in "
+            "place (as the engine's token list grows between steps). Compute the draft from the list's contents on "
+            "every call: a draft remembered by id(token_ids) or by the list object is stale.")
 
 
 # -- the rollback --------------------------------------------------------------------------------
@@ -244,6 +347,7 @@ class _Run(Story):
                         f"t0 = {cls.__name__}(pool)"])
         self.ref: list = [BlockTable(self.ref_alloc)]
         self.mine: list = [self.call(cls, self.my_alloc, what=f"{cls.__name__}(pool)")]
+        self.emptied: set = set()  # tables rolled back to 0 slots: the same object, its blocks freed
         self.compare("creating the table")
 
     def compare(self, after: str, hint: str = "", focus: int = 0) -> None:
@@ -267,8 +371,9 @@ class _Run(Story):
                     h = (f"{r.num_tokens} token slots fill exactly {r.num_tokens // self.bs} block(s) of {self.bs}: a "
                          "block left holding no slot goes back too. Keep ceil(num_tokens / block_size) blocks "
                          "(-(-num_tokens // block_size)), not num_tokens // block_size + 1.")
-                elif not h and more < 0 and r.blocks[:len(got_blocks)] == got_blocks:
-                    h = (f"the last block kept still holds {r.num_tokens % self.bs or self.bs} of the {r.num_tokens} "
+                elif not h and more == -1 and r.num_tokens % self.bs and r.blocks[:-1] == got_blocks:
+                    # One block short, and only where the last block is partly filled: that is num_tokens // block_size.
+                    h = (f"the last block kept still holds {r.num_tokens % self.bs} of the {r.num_tokens} "
                          "slots: keep ceil(num_tokens / block_size) blocks (-(-num_tokens // block_size)), not "
                          "num_tokens // block_size.")
                 elif not h and more > 0 and got_blocks[:len(r.blocks)] == r.blocks:
@@ -308,8 +413,9 @@ class _Run(Story):
     def truncate(self, i: int, n: int, note: str = "") -> None:
         r = self.ref[i]
         what = f"t{i}.truncate({n})"
-        before = list(r.blocks)
-        shared = [b for b in before[-(-n // self.bs):] if self.ref_alloc.ref_count(b) > 1]
+        to_drop = list(r.blocks[-(-n // self.bs):])
+        shared = [b for b in to_drop if self.ref_alloc.ref_count(b) > 1]
+        self._builds(i, n, to_drop, shared)
         dropped = ref_truncate_table(r, n)
         exp_order = list(reversed(dropped))
         self.my_alloc.freed = []
@@ -335,7 +441,28 @@ class _Run(Story):
                                  "append gets.")
         self.compare(what, focus=i)
 
+    def _builds(self, i: int, n: int, dropped: list, shared: list) -> None:
+        """Say which situations ``t{i}.truncate(n)``, about to drop ``dropped``, puts the learner's table in."""
+        bs = self.bs
+        builds(*[name for name, has in (
+            ("empty", n == 0),
+            ("block boundary", n > 0 and n % bs == 0),
+            # With blocks of 1 or 2 slots every length is at or next to a boundary: only bigger blocks tell them apart.
+            ("just below a boundary", bs > 2 and n % bs == bs - 1),
+            ("just above a boundary", bs > 2 and n % bs == 1),
+            ("max_model_len", n >= 2048),
+            ("several blocks dropped", len(dropped) > 1),
+            ("out-of-order blocks", len(dropped) > 1 and dropped != sorted(dropped)),
+            ("shared block", bool(shared)),
+            ("full pool", self.ref_alloc.num_free_blocks == 0),
+            ("pool calls recorded", bool(dropped)),
+            ("reused object", i in self.emptied and bool(dropped)),
+        ) if has])
+        if n == 0:
+            self.emptied.add(i)
+
     def misuse(self, i: int, n: int) -> None:
+        builds("misuse", "exception type")
         what = f"t{i}.truncate({n})"
         self.log.add(f"{what}  # t{i} holds {plural(self.ref[i].num_tokens, 'token slot')}: must raise ValueError")
         self.stats["current"] = f"{what}  ({self.label})"
@@ -345,7 +472,13 @@ class _Run(Story):
                 self.mine[i].truncate(n)
         except NotImplementedError:
             raise not_implemented(f"{self.cls.__name__}.truncate") from None
-        except ValueError:
+        except ValueError as e:
+            if type(e) is not ValueError:  # the rule names ValueError itself: a subclass names another mistake
+                whose = " (the pool's, for a misused block)" if isinstance(e, BlockAllocatorError) else ""
+                raise self.fail(f"{what} raised {type(e).__name__}, not ValueError.", got=describe_exception(e),
+                                hint=f"check num_tokens yourself and raise ValueError itself, before changing anything: "
+                                     f"{type(e).__name__} is a subclass of ValueError that names another mistake"
+                                     f"{whose}.") from e
             self.stats["ops"] += 1
             self.compare(f"{what} (which must change nothing)", focus=i,
                          hint="check the argument before changing anything: a rollback that raises leaves the table "
@@ -355,7 +488,8 @@ class _Run(Story):
             raise
         except Exception as e:  # noqa: BLE001
             raise self.fail(f"{what} raised {type(e).__name__}, not ValueError.", got=describe_exception(e),
-                            hint="raise ValueError for a num_tokens outside 0..self.num_tokens.") from e
+                            hint=f"raise ValueError for a num_tokens outside 0..self.num_tokens, not {type(e).__name__}: "
+                                 "the rule names ValueError.") from e
         raise self.fail(f"{what} did not raise.",
                         expected=f"ValueError: a rollback keeps 0..{self.ref[i].num_tokens} slots, it never grows the table",
                         got="it returned normally",
@@ -363,6 +497,7 @@ class _Run(Story):
                              "ValueError before changing anything (growing is append_tokens' job).")
 
     def fork(self, i: int) -> None:
+        builds("forked table")
         j = fork_both(self, i, "fork_table")
         self.compare(f"t{j} = fork_table(t{i})", focus=j)
 
@@ -391,6 +526,13 @@ _STORIES = [
      [("append", 0, 6), ("fork", 0), ("truncate", 1, 3), ("truncate", 0, 2), ("append", 1, 4)]),
     (6, 4, "a rollback past the end or below 0 raises ValueError and changes nothing",
      [("append", 0, 5), ("misuse", 0, 6), ("misuse", 0, -1), ("truncate", 0, 5)]),
+    # truncate(0) sends blocks 1, 0 to the back of the free list, so the regrown table holds [2, ..., 7, 1, 0]: a
+    # rollback that gives back by block number (not last block first) shows, and so does a memo kept per table object.
+    (8, 2, "a table emptied and grown again, its blocks now out of order: a rollback gives back the last block in the "
+           "table first, whatever its number", [("append", 0, 4), ("truncate", 0, 0), ("append", 0, 16), ("truncate", 0, 8)]),
+    (32, 64, "a table as long as SmolLM2's context (2,048 slots) in a full pool, rolled back at, below and above block "
+             "boundaries", [("append", 0, 2048), ("truncate", 0, 2048), ("truncate", 0, 2047), ("truncate", 0, 1985),
+                            ("truncate", 0, 1984), ("append", 0, 64), ("truncate", 0, 1)]),
 ]
 
 
@@ -407,9 +549,11 @@ def check_truncate(table_cls: type, seed: int = 0, runs: int = 30, timeout: floa
 
     def body():
         with guarded("09", NAME):
+            builds("package code in place")
             _stories(table_cls, stats)
             rng = random.Random(seed)
             for n in range(runs):
+                builds("random stories")
                 bs = rng.choice([1, 2, 3, 4, 8])
                 run = _Run(table_cls, rng.randint(4, 12 + n), bs, f"random run {n + 1} of {runs} (seed {seed})", stats)
                 k = rng.randint(1, 5)
@@ -431,9 +575,9 @@ def check_truncate(table_cls: type, seed: int = 0, runs: int = 30, timeout: floa
                 stats["runs"] += 1
 
     run_with_time_limit(body, timeout, NAME, lambda: stats["current"])
-    passed(f"rollback: {stats['runs']} random runs and 7 stories, {stats['truncates']} rollbacks among {stats['ops']} "
-           "operations; after every one your tables, the pool's ref counts and the order blocks came back in matched "
-           "the reference.")
+    passed(f"rollback: {stats['runs']} random runs and {len(_STORIES)} stories, {stats['truncates']} rollbacks among "
+           f"{stats['ops']} operations; after every one your tables, the pool's ref counts and the order blocks came "
+           "back in matched the reference.")
 
 
 # -- serving SmolLM2 with speculation on ---------------------------------------------------------------
@@ -509,6 +653,8 @@ def check_serving(propose_fn: Callable, table_cls: type, timeout: float = 900) -
         from .assemble import model_and_tokenizer
 
         model, tok = model_and_tokenizer()
+        # The learner's proposer and table class go into the engine in place of minipaged's, watched at every step.
+        builds("package code in place", "different part class")
         plugged = _Plugged(propose_fn)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

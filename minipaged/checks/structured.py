@@ -5,7 +5,10 @@
   brought to the same prefix) are computed side by side on fixed stories and on seeded random ones
   (shared beginnings, a choice that begins another, multi-byte characters, a prefix that is a whole
   choice, a prefix that is no choice's beginning). They must agree on every one of the 49,152 tokens;
-  a difference names the tokens, their bytes, and the rule that explains them.
+  a difference names the tokens, their bytes, and the rule that explains them. After the fixed stories
+  the same vocabulary and choice lists come back changed in place (a mask kept by id() shows), and the
+  vocabulary grows to Qwen2.5's 151,936 ids, with stop tokens past 16 bits (an id narrowed to 16 bits
+  shows); there the trie walk's mask is the expected one.
 
 xgrammar's matcher cannot stand after a prefix that no choice begins with; there the expected mask is
 minipaged's own trie walk (``minipaged.structured_output.choice_mask``), which the check first holds to
@@ -16,17 +19,31 @@ code runs (see _delegation.py).
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from . import _delegation
-from ._core import CheckFailed, DEFAULT_TIMEOUT_S, failure, learner_call, passed, run_with_time_limit
+from ._core import SITUATIONS, CheckFailed, DEFAULT_TIMEOUT_S, builds, failure, learner_call, passed, run_with_time_limit
 from ..optional import require
 from ._delegation import guarded, refuse_reference_function
 
 NAME = "11 structured outputs"
 WORKBOOK = "11"
+# The situations of workbook 11's rules that _core's vocabulary does not name (issue 40).
+SITUATIONS.update({
+    "off every choice": "a prefix no choice begins with (off at its first byte, or after bytes along a choice)",
+    "inside a choice": "a prefix partway through a choice, not a whole one",
+    "whole choice": "a prefix that is a whole choice: the stop tokens' turn",
+    "choice begins another": "a whole choice that begins a longer one (Pos, Posh), so the walk goes on past its end",
+    "multi-token path": "tokens that end inside a choice (a choice takes several tokens)",
+    "token leaves a choice": "tokens whose first bytes walk along a choice and whose later bytes leave it",
+    "token past a choice's end": "tokens that reach the end of a choice halfway and go on with bytes no choice holds",
+    "multi-byte characters": "choices with characters of several bytes (é, ü, 日本, 🙂), and a prefix that ends inside one",
+    "special tokens": "special tokens in the vocabulary (None: they spell no text)",
+    "stop tokens given": "stop tokens other than the model's EOS alone (two of them)",
+    "another vocabulary": "a vocabulary other than SmolLM2's 49,152 tokens (Qwen2.5's 151,936 ids)",
+})
 
 # What workbook 11 must not delegate to: minipaged's grammar code (choice_mask by trie walk, the engine's matchers)
 # and xgrammar's own matcher, compiler and helpers (watched by their files: xgrammar is not the package).
@@ -96,27 +113,63 @@ def xgrammar_mask(choices: list[str], prefix: bytes, stops: list[int]) -> torch.
 _WORDS = ["Positive", "Negative", "Neutral", "Pos", "Posh", "yes", "no", "maybe", "café", "cafe", "café au lait",
           "naïve", "Paris", "Par", "Parisian", "12:30", "12:45", "1:00", '"on"', '"off"', "a b", "a", "Zürich",
           "日本", "日本語", "🙂 ok", "New York", "New", "north", " space", "x"]
+# A vocabulary of Qwen2.5's size (151,936 ids): its regular tokens end at 151,643, where its special tokens
+# begin (None: they spell no text), among them the stop tokens <|endoftext|> and <|im_end|>.
+QWEN_VOCAB, QWEN_REGULAR, QWEN_STOPS = 151_936, 151_643, [151_643, 151_645]
+# The SITUATIONS of a prefix partway through a choice, on SmolLM2's vocabulary (which holds 17 special tokens):
+# tokens end inside the choice. Each case names those its prefix adds: tokens that start along a choice and leave
+# it, tokens that reach a choice's end and go on.
+_INSIDE = ("special tokens", "inside a choice", "multi-token path")
+_LEAVE, _PAST = "token leaves a choice", "token past a choice's end"
 
 
-def _cases(seed: int, runs: int) -> list:
-    """(label, choices, prefix bytes, stop token ids)."""
+def _cases(seed: int, runs: int, vocab: list) -> Iterator[tuple]:
+    """(label, vocab, choices, prefix bytes, stop token ids, SITUATIONS) as they are handed in, one case at a time:
+    between two cases the last ones change the lists handed in before, in place."""
     s = [2]
-    cases = [
-        ("before the first token", ["Positive", "Negative", "Neutral"], b"", s),
-        ("two choices still open", ["Positive", "Negative", "Neutral"], b"Ne", s),
-        ("one choice left, inside it", ["Positive", "Negative", "Neutral"], b"Neg", s),
-        ("a whole choice written: only the stop tokens", ["Positive", "Negative", "Neutral"], b"Negative", s),
-        ("a choice that begins others: the stop tokens and the tokens that go on", ["Pos", "Posh", "Positive"], b"Pos", s),
-        ("a short choice list", ["yes", "no"], b"y", s),
-        ("bytes, not characters: é is two bytes", ["café au lait", "cafe"], b"caf", s),
-        ("a prefix that ends inside a character", ["café au lait", "cafe"], "café".encode()[:4], s),
-        ("a space inside a choice", ["a b", "a"], b"a", s),
-        ("no choice begins with this prefix: nothing is allowed", ["yes", "no"], b"x", s),
-        ("no choice begins with this prefix, though one begins its first byte", ["Positive", "Negative"], b"Px", s),
-        ("digits and a colon", ["12:30", "12:45", "1:00"], b"12:", s),
-        ("the stop tokens given (two of them)", ["Paris", "Parisian"], b"Paris", [0, 2]),
-        ("quotes in a choice", ['"on"', '"off"'], b'"o', s),
+    whole = ("special tokens", "whole choice")
+    fixed = [
+        ("before the first token", ["Positive", "Negative", "Neutral"], b"", s, ("empty", _LEAVE) + _INSIDE),
+        ("two choices still open", ["Positive", "Negative", "Neutral"], b"Ne", s, (_LEAVE,) + _INSIDE),
+        ("one choice left, inside it", ["Positive", "Negative", "Neutral"], b"Neg", s, (_LEAVE, _PAST) + _INSIDE),
+        ("a whole choice written: only the stop tokens", ["Positive", "Negative", "Neutral"], b"Negative", s, whole),
+        ("a choice that begins others: the stop tokens and the tokens that go on", ["Pos", "Posh", "Positive"], b"Pos", s,
+         whole + ("choice begins another", "multi-token path", _LEAVE, _PAST)),
+        ("a short choice list", ["yes", "no"], b"y", s, (_LEAVE, _PAST) + _INSIDE),
+        ("bytes, not characters: é is two bytes", ["café au lait", "cafe"], b"caf", s,
+         ("multi-byte characters", _LEAVE, _PAST) + _INSIDE),
+        ("a prefix that ends inside a character", ["café au lait", "cafe"], "café".encode()[:4], s,
+         ("multi-byte characters",) + _INSIDE),
+        ("a space inside a choice", ["a b", "a"], b"a", s, whole + ("choice begins another", "multi-token path", _LEAVE,
+                                                                    _PAST)),
+        ("no choice begins with this prefix: nothing is allowed", ["yes", "no"], b"x", s, ("off every choice",)),
+        ("no choice begins with this prefix, though one begins its first byte", ["Positive", "Negative"], b"Px", s,
+         ("off every choice",)),
+        ("digits and a colon", ["12:30", "12:45", "1:00"], b"12:", s, _INSIDE),
+        ("the stop tokens given (two of them)", ["Paris", "Parisian"], b"Paris", [0, 2],
+         whole + ("stop tokens given", "choice begins another", "multi-token path", _LEAVE, _PAST)),
+        ("quotes in a choice", ['"on"', '"off"'], b'"o', s, (_LEAVE,) + _INSIDE),
     ]
+    for label, choices, prefix, stops, situations in fixed:
+        yield label, list(vocab), list(choices), prefix, list(stops), situations
+    # After the fixed stories, so that every rule is named on its own story first. The same vocabulary and choice lists
+    # handed in again, changed in place: a mask (or a trie) kept by id() of an argument belongs to the
+    # old lists. Then the vocabulary grows to Qwen2.5's size: ids past 16 bits, each beside the id it aliases in
+    # 16 bits (id % 65,536), which spells another token.
+    same_vocab, same_choices = list(vocab), ["yes", "no"]
+    yield ("a vocabulary and a choice list that come back in the next cases", same_vocab, same_choices, b"", s,
+           ("empty", _LEAVE, _PAST) + _INSIDE)
+    same_choices[:] = ["Positive", "Negative", "Neutral"]
+    yield ("the same choice list, now other choices (changed in place)", same_vocab, same_choices, b"Ne", s,
+           ("reused object", _LEAVE) + _INSIDE)
+    same_vocab += [vocab[t % len(vocab)] for t in range(len(vocab), QWEN_REGULAR)]
+    same_vocab += [None] * (QWEN_VOCAB - QWEN_REGULAR)
+    yield (f"the same vocabulary, grown in place to Qwen2.5's size ({QWEN_VOCAB:,} ids: SmolLM2's tokens repeated, "
+           f"special tokens from {QWEN_REGULAR:,})", same_vocab, same_choices, b"Ne", QWEN_STOPS,
+           ("reused object", "another vocabulary", "ids past 16 bits", "stop tokens given", _LEAVE) + _INSIDE)
+    yield (f"a whole choice in Qwen2.5's vocabulary: its stop tokens {QWEN_STOPS} (ids past 16 bits) and no others",
+           same_vocab, same_choices, b"Negative", QWEN_STOPS,
+           ("another vocabulary", "ids past 16 bits", "whole choice", "stop tokens given", "special tokens"))
     rng = random.Random(seed)
     for i in range(runs):
         choices = rng.sample(_WORDS, rng.randint(1, 5))
@@ -126,9 +179,7 @@ def _cases(seed: int, runs: int) -> list:
         if rng.random() < 0.15:  # off every choice
             prefix += bytes([rng.choice(b"qjvQ!")])
         stops = [2] if rng.random() < 0.7 else [0, 2]
-        cases.append((f"random case {i + 1} of {runs} (seed {seed})", choices, prefix, stops))
-    return cases
-
+        yield f"random case {i + 1} of {runs} (seed {seed})", list(vocab), choices, prefix, stops, ("random stories",)
 
 # -- why a mask differs ----------------------------------------------------------------------------
 def _trie(choices: list[str]) -> dict:
@@ -178,6 +229,12 @@ HINTS = {
              "(é is b'\\xc3\\xa9', and b'\\xc3' alone is a token), and it is allowed when its bytes walk on.",
     "begins_other": "a whole choice can begin a longer one (Pos, Posh): at its end keep walking, the tokens that go on "
                     "into the longer choice are allowed too.",
+    "ids": "token ids go up to len(vocab) - 1 (151,935 in Qwen2.5's vocabulary, past 16 bits): keep every id a Python "
+           "int (or torch.int64). An id narrowed to 16 bits (int16, uint16, array('H')) lands on another token, "
+           "id % 65,536.",
+    "reused": "this call hands in the same lists as the call before, changed in place since: build the trie and read "
+              "the vocabulary from what they hold now, every call (a mask or trie kept by id() of an argument belongs "
+              "to what it held before).",
 }
 
 
@@ -187,6 +244,9 @@ def _why(got: torch.Tensor, exp: torch.Tensor, vocab: list, choices: list, prefi
     missing = (exp & ~got).nonzero().flatten().tolist()
     if node is None and extra:
         return HINTS["off"]
+    # An id past 16 bits refused, or one allowed where an id it aliases in 16 bits (t + 65,536 k) is allowed.
+    if [t for t in missing if t >= 1 << 16] or [t for t in extra if bool(exp[t + (1 << 16)::1 << 16].any())]:
+        return HINTS["ids"]
     if [t for t in extra if vocab[t] is None and t not in stops]:
         return HINTS["special"]
     if [t for t in extra if t in stops]:
@@ -225,33 +285,49 @@ def check_choice_mask(choice_mask: Callable, seed: int = 0, runs: int = 16, time
 
     _refuse(choice_mask)
     st = _setup()
-    vocab, V = st["vocab"], st["V"]
+    V = st["V"]
     state = {"current": "", "n": 0, "xgr": 0}
+
+    def kept_by_id(case: tuple, exp: torch.Tensor, what: str) -> bool:
+        """A wrong mask of lists handed in again that is right on fresh copies of them: one kept by id()."""
+        _, vocab, choices, prefix, stops, situations = case
+        if "reused object" not in situations:
+            return False
+        fresh = learner_call(choice_mask, list(vocab), list(choices), bytes(prefix), list(stops), what=what)
+        return isinstance(fresh, torch.Tensor) and fresh.dtype == torch.bool and torch.equal(fresh, exp)
 
     def body():
         with guarded(WORKBOOK, NAME):
-            for label, choices, prefix, stops in _cases(seed, runs):
+            builds("package code in place")
+            for case in _cases(seed, runs, st["vocab"]):
+                label, vocab, choices, prefix, stops, situations = case
+                builds(*situations)
                 what = f"choice_mask(vocab, {choices!r}, {prefix!r}, {stops})"
                 state["current"] = f"{what}  ({label})"
                 exp = ref(vocab, choices, prefix, stops)
-                theirs = xgrammar_mask(choices, prefix, stops)
+                # xgrammar's matcher is compiled on SmolLM2's own vocabulary: another one has the trie walk's alone.
+                theirs = xgrammar_mask(choices, prefix, stops) if len(vocab) == V else None
                 if theirs is not None:
                     if not torch.equal(exp, theirs):  # the reference is held to xgrammar before it judges anyone
                         raise RuntimeError(f"minipaged's trie walk and xgrammar disagree on {what}: please report this")
                     state["xgr"] += 1
-                got = learner_call(choice_mask, list(vocab), list(choices), bytes(prefix), list(stops), what=what)
-                if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or tuple(got.shape) != (V,):
+                got = learner_call(choice_mask, vocab, choices, bytes(prefix), list(stops), what=what)
+                n = len(vocab)
+                if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or tuple(got.shape) != (n,):
                     desc = (f"a {got.dtype} tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor)
                             else f"{type(got).__name__}")
                     raise failure(f"{NAME}: {what} returned {desc}.", done=f"Case: {label}.",
-                                  expected=f"a torch.bool tensor of shape ({V},): one entry per token of vocab",
-                                  got=desc, hint="start from torch.zeros(len(vocab), dtype=torch.bool) and set "
-                                                 "allowed[t] = True for each allowed token id t.")
+                                  expected=f"a torch.bool tensor of shape ({n},): one entry per token of vocab",
+                                  got=desc, hint=HINTS["reused"] if kept_by_id(case, exp, what) else (
+                                      "start from torch.zeros(len(vocab), dtype=torch.bool) and set allowed[t] = True "
+                                      "for each allowed token id t."))
                 state["n"] += 1
                 if not torch.equal(got, exp):
                     extra = (got & ~exp).nonzero().flatten().tolist()
                     missing = (exp & ~got).nonzero().flatten().tolist()
-                    side = "xgrammar's mask" if theirs is not None else "the reference's mask (no xgrammar matcher can stand there)"
+                    side = ("xgrammar's mask" if theirs is not None else
+                            "the reference's mask (no xgrammar matcher can stand there)" if n == V else
+                            "the reference's mask (xgrammar's matcher here knows SmolLM2's vocabulary only)")
                     raise failure(
                         f"{NAME}: {what} differs from {side}.",
                         done=(f"Case: {label}.\n    choices = {choices!r}\n    prefix = {prefix!r}\n"
@@ -260,11 +336,14 @@ def check_choice_mask(choice_mask: Callable, seed: int = 0, runs: int = 16, time
                         got=(f"{int(got.sum())} tokens allowed"
                              + (f"; allowed, but the grammar refuses: {_show_tokens(extra, vocab)}" if extra else "")
                              + (f"; refused, but the grammar allows: {_show_tokens(missing, vocab)}" if missing else "")),
-                        hint=_why(got, exp, vocab, choices, prefix, stops))
+                        hint=(HINTS["reused"] if kept_by_id(case, exp, what)
+                              else _why(got, exp, vocab, choices, prefix, stops)))
 
     run_with_time_limit(body, timeout, NAME, lambda: state["current"])
-    passed(f"choice mask: {state['n']} cases over {V:,} tokens each; {state['xgr']} of them side by side with xgrammar's "
-           "mask on the same vocabulary, the rest (no choice begins with the prefix) with the trie walk's: equal on every token.")
+    passed(f"choice mask: {state['n']} cases over the {V:,} tokens of SmolLM2's vocabulary (and Qwen2.5's "
+           f"{QWEN_VOCAB:,} ids, some lists changed in place between calls); {state['xgr']} of them side by side with "
+           "xgrammar's mask on the same vocabulary, the rest (no choice begins with the prefix, or another vocabulary) "
+           "with the trie walk's: equal on every token.")
 
 
 __all__ = ["check_choice_mask", "xgrammar_mask", "NAME"]

@@ -22,7 +22,7 @@ The predictions are ranges, and why each is what it is (``why``):
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 # Written before the first run of the paper's setting (git history of scripts/kvquant_paper.py).
 PAPER_SETTING = ("a100-40gb", "opt-13b", "sharegpt")
@@ -66,12 +66,11 @@ def predict(gpu: str, model: str, dataset: str, kv_cache_dtype: str, memory_gb: 
     return {"ranges": ranges, "why": why, "kv_tokens": {d: p.kv_tokens for d, p in plans.items()}}
 
 
-def compare(gpu: str = "a100-40gb", model: str = "opt-13b", dataset: str = "sharegpt", kv_cache_dtype: str = "fp8",
-            num_requests: int = 10_000, memory_gb: float | None = None, seed: int = 0, workers: int | None = None,
-            progress: bool = False, say=print) -> dict:
-    """The prediction (said through ``say`` before any simulation), then both runs and the verdicts."""
-    from .paper import reproduce
-
+def compare(reproduce: Callable[..., dict], gpu: str = "a100-40gb", model: str = "opt-13b", dataset: str = "sharegpt",
+            kv_cache_dtype: str = "fp8", num_requests: int = 10_000, memory_gb: float | None = None, seed: int = 0,
+            workers: int | None = None, progress: bool = False, say: Callable[[str], Any] = print) -> dict:
+    """The prediction (said through ``say`` before any simulation), then both runs (``reproduce``:
+    paper.reproduce, which calls this module from its CLI) and the verdicts."""
     pred = predict(gpu, model, dataset, kv_cache_dtype, memory_gb)
     say(f"prediction (before the run), {kv_cache_dtype} over 16-bit KV:")
     for k, (lo, hi) in pred["ranges"].items():
@@ -109,8 +108,8 @@ def format_result(res: dict) -> str:
     return "\n".join(lines)
 
 
-def run_cli(a: Any) -> int:
-    res = compare(a.gpu, a.model or "opt-13b", a.dataset or "sharegpt", a.kv_cache_dtype,
+def run_cli(a: Any, reproduce: Callable[..., dict]) -> int:
+    res = compare(reproduce, a.gpu, a.model or "opt-13b", a.dataset or "sharegpt", a.kv_cache_dtype,
                   10_000 if a.num_requests is None else a.num_requests, a.memory_gb, a.seed, a.workers,
                   not a.no_progress)
     print(format_result(res))

@@ -470,7 +470,7 @@ def run_cli(a: argparse.Namespace) -> int:
                              "16-bit KV; --plot and --readme draw the 16-bit Figs. 12-13: run those without it")
         from .kvdtype import run_cli as kvdtype_cli
 
-        return kvdtype_cli(a)
+        return kvdtype_cli(a, reproduce)
     res = reproduce(a.gpu, a.model or "opt-13b", a.dataset or "sharegpt",
                     [s.strip() for s in a.systems.split(",") if s.strip()],
                     10_000 if a.num_requests is None else a.num_requests, a.fig13_rate, a.threshold, a.block_size, a.memory_gb, a.seed, a.workers,

@@ -2,6 +2,7 @@
 plain BlockTable holding the same blocks, and takes the result back."""
 CHECK = "minipaged.checks.spec_decode:check_truncate"
 EXPECT = ["called minipaged.spec_decode.truncate_table", "minipaged's own implementation"]
+HINT = None  # a refusal: the message says what to do, with no hint
 
 from minipaged import BlockTable, spec_decode
 from _base import GoodBlockTable

@@ -1,6 +1,7 @@
 """Checks the argument only after giving blocks back: truncate(-1) empties the table, then raises."""
 CHECK = "minipaged.checks.spec_decode:check_truncate"
 EXPECT = ["which must change nothing", "check the argument before changing anything"]
+HINT = "check the argument before changing anything"
 
 from _base import GoodBlockTable
 

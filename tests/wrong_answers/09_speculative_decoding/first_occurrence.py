@@ -1,6 +1,7 @@
 """Takes the first (oldest) earlier occurrence of the suffix, not the most recent."""
 CHECK = "minipaged.checks.spec_decode:check_proposer"
 EXPECT = ["gives another draft", "from the end backwards"]
+HINT = "search the earlier positions from the end backwards"
 
 from _base import good_propose
 

@@ -1,6 +1,7 @@
 """Gives the dropped blocks back first block first."""
 CHECK = "minipaged.checks.spec_decode:check_truncate"
 EXPECT = ["in another order", "last block first"]
+HINT = "give the dropped blocks back last block first"
 
 from _base import GoodBlockTable
 

@@ -1,6 +1,7 @@
 """Looks for the longest match of any length (max_n ignored)."""
 CHECK = "minipaged.checks.spec_decode:check_proposer"
 EXPECT = ["gives another draft", "never above it"]
+HINT = "n runs from max_n down, never above it"
 
 from _base import good_propose
 

@@ -1,6 +1,7 @@
 """Counts the suffix itself as an earlier occurrence: it always matches, and nothing follows it."""
 CHECK = "minipaged.checks.spec_decode:check_proposer"
 EXPECT = ["gives another draft", "END BEFORE the last token"]
+HINT = "END BEFORE the last token"
 
 from _base import good_propose
 

@@ -1,6 +1,7 @@
 """Only counts earlier occurrences that end before the suffix starts (no overlap)."""
 CHECK = "minipaged.checks.spec_decode:check_proposer"
 EXPECT = ["gives another draft", "may share tokens with the suffix"]
+HINT = "an earlier occurrence may share tokens with the suffix"
 
 from _base import good_propose
 

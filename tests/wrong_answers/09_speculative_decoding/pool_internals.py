@@ -2,6 +2,7 @@
 calling allocator.free(b): right on a BlockAllocator, wrong on the engine's prefix cache."""
 CHECK = "minipaged.checks.spec_decode:check_truncate"
 EXPECT = ["without calling allocator.free(b)", "prefix cache"]
+HINT = "use only the pool's members of the contract"
 
 from _base import GoodBlockTable
 

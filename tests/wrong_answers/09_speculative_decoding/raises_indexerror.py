@@ -1,6 +1,7 @@
 """Raises IndexError, not ValueError, for a num_tokens outside the table."""
 CHECK = "minipaged.checks.spec_decode:check_truncate"
 EXPECT = ["raised IndexError, not ValueError"]
+HINT = "raise ValueError for a num_tokens outside 0..self.num_tokens"
 
 from _base import GoodBlockTable
 

@@ -8,6 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _plant  # noqa: E402
 
 EXPECT = _plant.COPY_EXPECT
+HINT = None  # a refusal: the message says what to do, with no hint
 
 
 def answer():

@@ -1,6 +1,7 @@
 """Returns None when there is no draft."""
 CHECK = "minipaged.checks.spec_decode:check_proposer"
 EXPECT = ["returned None", "never None"]
+HINT = "[] when there is no draft (never None)"
 
 from _base import good_propose
 

@@ -1,6 +1,7 @@
 """Proposes everything that followed the occurrence, not at most k tokens."""
 CHECK = "minipaged.checks.spec_decode:check_proposer"
 EXPECT = ["gives another draft", "at most k tokens"]
+HINT = "propose at most k tokens"
 
 from _base import good_propose
 

@@ -1,6 +1,7 @@
 """Tries the shortest n-gram first (min_n up to max_n): a short recent match wins over a longer one."""
 CHECK = "minipaged.checks.spec_decode:check_proposer"
 EXPECT = ["gives another draft", "try n = max_n first"]
+HINT = "try n = max_n first"
 
 from _base import good_propose
 

@@ -1,6 +1,7 @@
 """Skips an occurrence followed by fewer than k tokens, going on to an older one."""
 CHECK = "minipaged.checks.spec_decode:check_proposer"
 EXPECT = ["gives another draft", "propose those few"]
+HINT = "propose those few: do not skip to an older occurrence"
 
 from _base import good_propose
 
