@@ -50,6 +50,7 @@ is not listed, or a listed one is killed or gone: the list stays exact).
     python scripts/mutation_score.py 02 06 -j 2         some, two mutants at a time
     python scripts/mutation_score.py 06 --list          the mutants, without running them
     python scripts/mutation_score.py 06 --only 06:3:42:7:compare:Lt>LtE   one mutant, its check output shown
+    python scripts/mutation_score.py --family narrowed,window,memo      one family or more, every workbook
 """
 from __future__ import annotations
 
@@ -324,7 +325,12 @@ def input_mutants(stem: str, nb: dict) -> list[Mutant]:
                 out.append(Mutant(f"{stem[:2]}:{c}:{node.lineno}:{node.col_offset}:{family}:{node.name}.{p}", c,
                                   node.lineno, src.split("\n")[node.lineno - 1].strip(), stmt, ast.unparse(t2)))
             answers = any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(node))
-            if answers and any(p in MEMO_PARAMS for p in params):  # a memo of a function that answers something
+            changes_self = any(  # a method that changes its object (self.x = ..., self.queue.append(...)) is no memo's
+                isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+                and n.value.id == "self" or isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and isinstance(n.func.value, ast.Attribute) and isinstance(n.func.value.value, ast.Name)
+                and n.func.value.value.id == "self" for n in ast.walk(node))
+            if answers and not changes_self and any(p in MEMO_PARAMS for p in params):  # a memo of an answer
                 cls = owners.get(id(node))
                 name = f"{cls.name}.{node.name}" if cls is not None else node.name
                 wrap = f"{name} = _memo_by_id({name})"
@@ -513,9 +519,18 @@ def read_equivalent(path: Path = EQUIVALENT) -> dict[str, str]:
     return out
 
 
-def score(stem: str, jobs: int, timeout: float, equivalent: dict[str, str], out=sys.stdout) -> tuple[float, list[str]]:
-    """Run one workbook's mutants; print its lines; return (kill rate, problems)."""
-    all_m = mutants(stem)
+def family(m: Mutant) -> str:
+    """The operator or family of a mutant: the fifth field of its id ("06:3:42:7:compare:Lt>LtE" -> compare)."""
+    return m.id.split(":")[4]
+
+
+def score(stem: str, jobs: int, timeout: float, equivalent: dict[str, str], out=sys.stdout,
+          families: set[str] | None = None) -> tuple[float, list[str]]:
+    """Run one workbook's mutants (of ``families`` only, when given); print its lines; return (kill rate, problems)."""
+    all_m = [m for m in mutants(stem) if families is None or family(m) in families]
+    if not all_m:
+        print(f"{stem}: no mutant of {', '.join(sorted(families or []))}", file=out)
+        return 1.0, []
     t0 = time.monotonic()
     _prepare(stem)
     work = _workdir(stem)
@@ -541,6 +556,8 @@ def score(stem: str, jobs: int, timeout: float, equivalent: dict[str, str], out=
             problems.append(f"{m.id} is listed as equivalent but was killed ({results[m.id][1]}): take it off the list")
     ids = {m.id for m in all_m}
     for mid in equivalent:
+        if families is not None and mid.split(":")[4] not in families:
+            continue
         if mid.startswith(stem[:2] + ":") and mid not in ids:
             problems.append(f"{mid} is listed as equivalent but is no mutant of {stem} any more: take it off the list")
     denominator = len(all_m) - len([m for m in listed if not results[m.id][0]])
@@ -573,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds one mutant may take (default 120)")
     p.add_argument("--list", action="store_true", help="print the mutants and stop")
     p.add_argument("--only", help="run one mutant (its id) with the checks' output shown")
+    p.add_argument("--family", help="run only these operators or families, comma-separated (e.g. narrowed,window,memo)")
     args = p.parse_args(argv)
     stems = _stems(args.workbooks)
     if args.list:
@@ -595,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = []
     for stem in stems:
         try:
-            _, probs = score(stem, args.jobs, args.timeout, equivalent)
+            fams = set(args.family.split(",")) if args.family else None
+            _, probs = score(stem, args.jobs, args.timeout, equivalent, families=fams)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             probs = [f"{stem}: the run failed"]

@@ -474,3 +474,41 @@ NOT_A_RULE |= {f"{wb}/{plant}" for wb in ("01_kv_cache_math", "02_block_allocato
 # The rows run by tests/test_rules.py (workbook 07's need the model: tests/test_checks.py runs those).
 RUN = [r for r in RULES if not r.workbook.startswith("07_")]
 RUN_FILES = {f"{r.workbook}/{r.wrong}" for r in RUN}
+
+# Shortcuts that pass small inputs only (issue 40; tests/wrong_answers/_plant.py): token ids kept in 16 bits, a window
+# on the ids or a cap on a length, an answer kept by id(). One wrong answer each, in every workbook whose answer takes
+# such an input (workbook -> its file; a rule row may hold it), or a reason here why the workbook's inputs allow none
+# (tests/test_checks.py::test_every_workbook_plants_each_shortcut_its_inputs_allow).
+INPUT_PLANTS = {
+    "narrowed_ids": {"08_prefix_caching": "ids_narrowed_to_16_bits", "09_speculative_decoding": "narrowed_ids",
+                     "11_structured_outputs": "narrowed_ids", "12_kv_connector": "narrowed_ids"},
+    "bounded_window": {"01_kv_cache_math": "bounded_window", "03_block_table": "slots_fixed_window",
+                       "04_paged_attention_torch": "bounded_window", "08_prefix_caching": "bounded_window",
+                       "09_speculative_decoding": "bounded_window", "10_predict_and_measure": "bounded_window"},
+    "id_keyed_memo": {"03_block_table": "id_keyed_memo", "04_paged_attention_torch": "id_keyed_memo",
+                      "08_prefix_caching": "id_keyed_memo", "09_speculative_decoding": "id_keyed_memo",
+                      "10_predict_and_measure": "id_keyed_memo", "11_structured_outputs": "id_keyed_memo",
+                      "12_kv_connector": "id_keyed_memo"},
+}
+_NO_IDS = "its answer never sees a token id"
+INPUT_PLANTS_NOT_APPLICABLE = {
+    **{("narrowed_ids", wb): _NO_IDS for wb in ("01_kv_cache_math", "02_block_allocator", "03_block_table",
+                                                  "04_paged_attention_torch", "05_triton_decode_kernel", "06_scheduler",
+                                                  "07_assemble", "10_predict_and_measure")},
+    ("bounded_window", "02_block_allocator"): "its answer takes no length: blocks one at a time",
+    ("bounded_window", "05_triton_decode_kernel"): "a Triton kernel loops over the blocks its grid is given; check_decode "
+                                                   "runs a 2,048-token context, and a capped loop fails it as a wrong value",
+    ("bounded_window", "06_scheduler"): "the scheduler's story at max_model_len (check_rejection) holds a cap as a wrong "
+                                        "admission; its answer keeps no window of its own",
+    ("bounded_window", "07_assemble"): "07 runs the parts of 02-06: their windows are refused in their workbooks",
+    ("bounded_window", "11_structured_outputs"): "a choice list and a prefix of bytes: no length a learner caps",
+    ("bounded_window", "12_kv_connector"): "its hashes come from full_block_hashes, handed over whole; the 2,048-token "
+                                           "prompt story holds a cap on the tokens it loads",
+    ("id_keyed_memo", "01_kv_cache_math"): "its answers take numbers and a frozen shape: a memo by value is right",
+    ("id_keyed_memo", "02_block_allocator"): "its answers change the pool: nothing to remember between calls",
+    ("id_keyed_memo", "05_triton_decode_kernel"): "a Triton kernel keeps nothing between launches",
+    ("id_keyed_memo", "06_scheduler"): "each step's answer changes its queues: nothing to remember between calls",
+    ("id_keyed_memo", "07_assemble"): "07 runs the parts of 02-06: their memos are refused in their workbooks",
+}
+NOT_A_RULE |= {f"{wb}/{f}" for plant, where in INPUT_PLANTS.items() for wb, f in where.items()} - {
+    f"{r.workbook}/{r.wrong}" for r in RULES}

@@ -385,7 +385,7 @@ SITUATIONS = {
     "block boundary": "a length exactly at a multiple of the block size",
     "just below a boundary": "a length one short of a multiple of the block size",
     "just above a boundary": "a length one past a multiple of the block size",
-    "max_model_len": "a sequence as long as the model's context (max_model_len: 8,192 for SmolLM2-135M), longer than any small window",
+    "max_model_len": "a sequence at a context limit, past any window a learner might cap at (2,048 or more; SmolLM2-135M serves 8,192)",
     "empty": "nothing: zero tokens, an empty list, no blocks",
     "forked table": "a table whose state was set from outside its own methods (parts.fork_table) before its next call",
     "shared block": "a block held by more than one owner (ref count above 1)",

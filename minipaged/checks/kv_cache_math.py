@@ -202,6 +202,10 @@ def check_bytes_per_sequence(bytes_per_sequence: Callable, timeout: float = DEFA
                     elif got == (n // bs + 1) * bs * bpt:
                         h = (f"off by one block at the boundary: {plural(n, 'token')} in blocks of {bs} need {blocks}, not {n // bs + 1}. "
                              "Round up with -(-n // block_size), or (n + block_size - 1) // block_size.")
+                    elif isinstance(got, int) and 0 < got < exp and got % bpt == 0 and n > 1024:
+                        h = (f"yours prices {got // bpt:,} token slots of the {n:,}: something caps the length (a window, "
+                             f"a table of fixed size). A sequence can be as long as the model's max_model_len "
+                             f"({m.max_model_len:,} here).")
                     else:
                         h = "bytes per sequence = ceil(num_tokens / block_size) * block_size * bytes_per_token."
                     raise failure(title, done=desc, expected=f"{exp:,} bytes ({plural(blocks, 'block')} of {bs} slots)",

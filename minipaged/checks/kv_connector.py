@@ -9,7 +9,7 @@ the engine drives them (minipaged.kv_connector draws the step), over two small K
 blocks the check "computes" itself: prompts prefilled whole or in chunks, decode steps, requests
 that end, prompts that come back after their device blocks were dropped, a prefix whose middle block
 the store evicted, token ids past 16 bits beside their 16-bit aliases, a finished request's Sequence
-handed in again changed in place, and a prompt of SmolLM2's whole context (2,048 tokens). After every
+handed in again changed in place, and a prompt of 2,048 tokens (past any window a learner might cap at). After every
 call the matched token counts and both KV caches must agree.
 
 ``check_serving``: the learner's connector is plugged into the engine (``LLMEngine(kv_connector=...)``,
@@ -52,7 +52,7 @@ STORE_MEMBERS = ("__contains__", "__len__", "get", "put")
 CONNECTOR_MEMBERS = ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished", "start_load_kv",
                      "save_kv")
 SENTINEL = -7.0  # what a device block holds before anything is computed or loaded into it
-MAX_MODEL_LEN = 2048  # SmolLM2's context: the longest prompt the engine hands a connector
+MAX_MODEL_LEN = 2048  # a long prompt, past any window a learner might cap at (SmolLM2-135M serves 8,192; shorter keeps the check fast)
 # The situations of workbook 12's rules that _core's vocabulary does not name (issue 40).
 SITUATIONS.update({
     "device prefix hit": "a request whose first blocks are a hit of the device prefix cache (num_computed_tokens > 0), "
@@ -469,7 +469,7 @@ def _connector_stories(cls: type, stats: dict) -> None:
         "token id whole (full_block_hashes takes the ids as they are; ids go up to 151,000 in a real vocabulary): an "
         "id narrowed to 16 bits (int16, uint16, array('H')) matches another request's blocks.")))
     r.finish(r.admit("big2", [70_000, 151_000, 65_537, 99_999, 7]))
-    r = _ConnRun(cls, 16, 160, 288, f"a prompt as long as SmolLM2's context ({MAX_MODEL_LEN} tokens, blocks of 16), "
+    r = _ConnRun(cls, 16, 160, 288, f"a prompt of {MAX_MODEL_LEN} tokens (blocks of 16), "
                  "then again", stats)
     context = [(i * 7919) % 49_152 for i in range(MAX_MODEL_LEN)]  # ids across SmolLM2's vocabulary
     r.finish(r.admit("long", context))

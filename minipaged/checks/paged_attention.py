@@ -21,7 +21,7 @@ from ._core import length_situations as core_length_situations
 from ._delegation import refuse_package_function, run_guarded
 
 NAME = "04 paged attention"
-MAX_MODEL_LEN = 2048  # SmolLM2's context: the longest sequence the engine serves it
+MAX_MODEL_LEN = 2048  # a long context, past any window a learner might cap at (SmolLM2-135M serves 8,192; shorter keeps the check fast)
 # The situations of workbooks 04 and 05's rules that _core's vocabulary does not name (issue 40).
 SITUATIONS.update({
     "grouped heads": "grouped-query attention with more than one KV head: each KV head serves a group of query heads",
@@ -478,6 +478,10 @@ def check_gather_kv(gather_kv: Callable, timeout: float = DEFAULT_TIMEOUT_S) -> 
         if tuple(got.shape) != tuple(exp.shape):
             h = ("you kept every slot of the last block: cut the result to the first context_len tokens ([:context_len])."
                  if got.dim() == 3 and got.shape[0] == -(-ctx // bs) * bs else
+                 f"you gathered {got.shape[0]:,} of the {ctx:,} tokens of a long context: something caps the length (a "
+                 "window, a buffer of fixed size). Contexts run to max_model_len (8,192 for SmolLM2-135M): gather every "
+                 "block of the table up to context_len."
+                 if got.dim() == 3 and ctx > 1024 and 0 < got.shape[0] < ctx else
                  "index the cache with the sequence's blocks (cache[block_table[:n_blocks]]), flatten the first two "
                  "dims (n_blocks * block_size tokens), then keep the first context_len.")
             raise failure(f"{NAME}: {what} has the wrong shape.", done=desc,

@@ -32,7 +32,7 @@ from ._core import DEFAULT_TIMEOUT_S, SITUATIONS, builds, failure, learner_call,
 from ._delegation import run_guarded
 
 NAME = "10 predict and measure"
-MAX_MODEL_LEN = 2048  # SmolLM2's context: the longest sequence a capacity is asked for
+MAX_MODEL_LEN = 2048  # a long sequence, past any window a learner might cap at (SmolLM2-135M serves 8,192)
 # The situations of workbook 10's rules that _core's vocabulary does not name (issue 40).
 SITUATIONS.update({
     "exactly at a bound": "an input exactly at a bound the rule names (a latency at its target, a ratio of 1 or k + 1, "
@@ -217,7 +217,11 @@ def check_kv_capacity(kv_capacity: Callable, config: tuple | None = None, timeou
                               expected=f"{exp}", got=f"{got!r}", hint="return a tuple of two ints.")
             if got != exp:
                 blocks_ok = got[0] == exp[0]
-                hint = ("num_blocks is right; sequences = num_blocks // ceil(num_tokens / block_size): each sequence "
+                capped = blocks_ok and isinstance(got[1], int) and got[1] > exp[1] and n > 1024
+                hint = (f"num_blocks is right, but yours fits {got[1]} sequences of {n:,} tokens where {exp[1]} fit, as "
+                        "if each held fewer tokens: something caps the length (a window, a table of fixed size). A "
+                        "sequence can be as long as max_model_len (8,192 for SmolLM2-135M)." if capped else
+                        "num_blocks is right; sequences = num_blocks // ceil(num_tokens / block_size): each sequence "
                         "takes whole blocks." if blocks_ok else
                         "num_blocks = kv_cache_bytes // (block_size * bytes per token), bytes per token = 2 (K and V) "
                         "* num_layers * num_kv_heads * head_dim * dtype_bytes; the engine keeps whole blocks only.")

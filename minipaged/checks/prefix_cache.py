@@ -39,6 +39,7 @@ from ._core import (
 )
 
 NAME = "08 prefix cache"
+LONG = 8192  # SmolLM2-135M's max_model_len (max_position_embeddings): the longest prompt the engine hands the cache
 
 # The situations of the prefix cache's rules that _core's names do not cover (issue 40).
 SITUATIONS.update({
@@ -244,6 +245,12 @@ class _Run(Story):
                 elif name == "num_free_blocks" and op == "free" and got == exp - 1:
                     hint2 = ("a cached block whose last holder frees it stays cached and becomes evictable (the most "
                              "recently released): free() must add it to the evictable blocks, which num_free_blocks counts.")
+                elif name == "num_cached_blocks" and op == "cache" and isinstance(got, int) and got < exp \
+                        and getattr(self, "last_cache_len", 0) > 1024:
+                    hint2 = (f"your cache holds {got} blocks where it should hold {exp}, after caching a prompt of "
+                             f"{self.last_cache_len:,} tokens: something looks at only part of a long prompt (a window of "
+                             "its last ids, a cap on its length). Prompts run to max_model_len (8,192 for SmolLM2-135M): "
+                             "hash every full block of token_ids, from the first.")
                 elif name == "num_cached_blocks" and op == "cache" and isinstance(got, int) and got < exp:
                     hint2 = ("cache_blocks() caches every FULL block i of the sequence (i < len(token_ids) // block_size) "
                              "whose chained hash is not cached yet: remember hash -> block and block -> hash, and take "
@@ -255,10 +262,23 @@ class _Run(Story):
                 raise self.fail(f"c.{name} differs after {after}.", expected=repr(exp), got=repr(got), hint=hint or hint2)
 
     # -- operations, played as the scheduler plays them ---------------------------------------
-    def admit(self, tokens: list[int], ids: list[int] | None = None) -> None:
+    def spelled(self, xs: list[int]) -> str:
+        """``xs`` as the replay log writes it: a name given to a long prompt, a run of block ids as a range."""
+        named = getattr(self, "names", {}).get(tuple(xs))
+        if named is not None:
+            return named
+        if len(xs) > 8 and xs == list(range(xs[0], xs[0] + len(xs))):
+            return f"list(range({xs[0]}, {xs[0] + len(xs)}))"
+        return str(list(xs))
+
+    def admit(self, tokens: list[int], ids: list[int] | None = None, named: tuple[str, str] | None = None) -> None:
         """A prompt admitted. ``ids``: the story's one list object, set to ``tokens`` in place and handed to your
-        cache instead of a new list (the engine hands a sequence's own list of ids, which changes in place)."""
-        arg, name = list(tokens), str(tokens)
+        cache instead of a new list (the engine hands a sequence's own list of ids, which changes in place).
+        ``named``: (name, source) for a prompt too long to print: the log defines it once, then uses its name."""
+        if named is not None and tuple(tokens) not in getattr(self, "names", {}):
+            self.names = {**getattr(self, "names", {}), tuple(tokens): named[0]}
+            self.log.add(f"{named[0]} = {named[1]}")
+        arg, name = list(tokens), self.spelled(tokens)
         if ids is not None:
             builds("reused object")
             if self.ids is not ids:
@@ -267,6 +287,9 @@ class _Run(Story):
             ids[:] = tokens
             arg, name = ids, "ids"
             self.log.add(f"ids[:] = {tokens}  # changed in place")
+        # Every list handed over stays alive until the check ends: a new list never takes a freed one's id() by
+        # chance, so a memo keyed on id() fails in the story built for it, with the hint that names it.
+        self.stats.setdefault("handed", []).append(arg)
         self.builds_prompt(tokens)
         exp = self.ref.match_prefix(tokens)
         got = self.call(self.mine.match_prefix, arg, what=f"c.match_prefix({name})")
@@ -391,17 +414,20 @@ class _Run(Story):
 
     def cache(self, tokens: list[int], blocks: list[int], ids: list[int] | None = None) -> None:
         """cache_blocks of a sequence's ``tokens``; ``ids``: the list object admit() handed in, holding them."""
-        builds(*length_situations(len(tokens), self.bs))  # full blocks only: a partial last block is not cached
+        builds(*length_situations(len(tokens), self.bs, LONG))  # full blocks only: a partial last block is not cached
         before = {b for b in blocks if self.ref.is_cached(b)}
         self.ref.cache_blocks(tokens, blocks)
         for i, b in enumerate(blocks[: len(tokens) // self.bs]):
             if b not in before and self.ref.is_cached(b):
                 self.prefix_of[b] = tuple(tokens[: (i + 1) * self.bs])
-        name = str(tokens) if ids is None else "ids"
-        self.call(self.mine.cache_blocks, list(tokens) if ids is None else ids, list(blocks),
-                  what=f"c.cache_blocks({name}, {blocks})")
-        self.log.add(f"c.cache_blocks({name}, {blocks})")
-        self.compare(f"c.cache_blocks({name}, {blocks})", op="cache")
+        name = self.spelled(tokens) if ids is None else "ids"
+        self.last_cache_len = len(tokens)
+        handed = list(tokens) if ids is None else ids
+        self.stats.setdefault("handed", []).append(handed)
+        what = f"c.cache_blocks({name}, {self.spelled(blocks)})"
+        self.call(self.mine.cache_blocks, handed, list(blocks), what=what)
+        self.log.add(what)
+        self.compare(what, op="cache")
 
     def grow(self, rng: random.Random) -> None:
         tokens, blocks = rng.choice(self.seqs)
@@ -526,6 +552,14 @@ def _scenarios(cls, stats) -> None:
     r.admit([1, 2, 3, 4, 5], ids=ids)
     r.admit([1, 2, 3, 4, 7], ids=ids)  # caches nothing new: the next call meets the cache as this one left it
     r.admit([1, 2, 9, 9, 5], ids=ids)  # only block 0 is theirs: a memo keyed on id(ids) answers for the old ids
+    # As long as the model serves (max_model_len): a lookup that looks only at the last tokens ("no prompt is
+    # longer than that") finds nothing of a long prompt, and caches its blocks under other hashes.
+    source = f"[(7 * i) % 49_152 for i in range({LONG})]"
+    long_prompt = [(7 * i) % 49_152 for i in range(LONG)]
+    r = _Run(cls, LONG // 64 + 2, 64, f"a prompt of {LONG:,} tokens (SmolLM2's max_model_len), in blocks of 64, twice", stats)
+    r.admit(long_prompt, named=("long_prompt", source))
+    r.release(index=0)
+    r.admit(long_prompt, named=("long_prompt", source))  # every block but the one holding the last token is a hit
 
 
 def check_lookup_and_eviction(cache_cls: type, seed: int = 0, runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -672,6 +706,8 @@ def check_copy_on_write(cow_fn: Callable, seed: int = 0, runs: int = 40, timeout
         one("a write into blocks held alone copies nothing", 6, 4, 6, 0, [(0, 6, 8)])
         one("a write that spans a shared block and new ones", 8, 2, 3, 2, [(2, 3, 4), (1, 2, 6)])
         one("the pool is short: 2 shared blocks to copy, 1 free block", 3, 2, 4, 1, [(1, 0, 4), (1, 2, 4), (0, 0, 2)])
+        one(f"a table of {LONG:,} tokens (SmolLM2's max_model_len) in blocks of 16, forked: the child writes at its end",
+            LONG // 16 + 4, 16, LONG, 1, [(1, LONG - 2, LONG)])
         rng = random.Random(seed)
         for i in range(runs):
             bs = rng.choice([1, 2, 4])

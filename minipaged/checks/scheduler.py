@@ -486,9 +486,9 @@ def _fixed(part: str) -> list[tuple[str, Config, list[tuple[int, int, int, int]]
             ("requests that can never run are rejected at once", Config(4, 4, 4, 16, max_model_len=12),
              [(0, 0, 0, 4), (0, 1, 3, 0), (0, 2, 12, 2), (0, 3, 10, 10), (0, 4, 8, 9), (0, 5, 5, 20), (0, 6, 6, 3)]),
             ("a request that needs exactly the whole pool fits", Config(3, 4, 4, 16), [(0, 0, 6, 7), (0, 1, 6, 8), (1, 2, 3, 2)]),
-            # SmolLM2's context in a pool of exactly 2,048 tokens: prompts at, past and one short of max_model_len, and
+            # a context of 2,048 tokens (max_model_len=2048 here) in a pool of exactly 2,048 tokens: prompts at, past and one short of max_model_len, and
             # one whose max_tokens runs past the context (it needs the whole pool, capped at max_model_len, not more)
-            ("SmolLM2's context: max_model_len=2048, block_size=16, a pool of 128 blocks (2,048 tokens)",
+            ("a 2,048-token context: max_model_len=2048, block_size=16, a pool of 128 blocks (2,048 tokens)",
              Config(128, 16, 4, 2048, max_model_len=2048), [(0, 0, 2048, 1), (0, 1, 2049, 1), (0, 2, 2047, 1), (0, 3, 2040, 100)]),
         ]
     return runs

@@ -2,7 +2,7 @@
 
 - ``check_proposer(propose_ngram)``: the learner's proposer and ``minipaged.spec_decode.propose_ngram``
   get the same token ids, ``k`` and n-gram range (fixed stories, then seeded random ones, short and
-  long up to SmolLM2's 2,048-token context, small and real-vocabulary ids beside their 16-bit aliases,
+  up to 2,048 tokens long (past any window a learner might cap at), small and real-vocabulary ids beside their 16-bit aliases,
   then one list handed in again after it changed in place) and must give the same draft; a difference
   is explained by the rule it breaks (each rule's wrong reading is computed and compared with the
   learner's answer).
@@ -149,6 +149,12 @@ def _why(got: Any, toks: list, k: int, min_n: int, max_n: int) -> str:
         alt = _variant(toks, k, alt_min, alt_max, **kw)
         if alt == got:
             fits.append((rule, hint))
+    far = _match_start(toks, min_n, max_n)
+    if got == [] and far is not None and len(toks) - far > 256:  # a search over the last tokens only never sees it
+        fits.append(("every earlier position, however far back",
+                     f"search the whole sequence: the occurrence is {len(toks) - far:,} tokens back, and a window of the "
+                     "last tokens (a cap such as 'no prompt is longer than 1,024') never reaches it; SmolLM2-135M serves "
+                     "8,192 tokens."))
     # A hint only when the draft identifies the mistake. An empty draft never does: reading "the suffix itself" as an
     # occurrence gives [] on every input, and so does any proposer that gives up too early.
     if len(fits) == 1 and got != []:
@@ -168,14 +174,25 @@ def _why(got: Any, toks: list, k: int, min_n: int, max_n: int) -> str:
             "occurrence, and return up to k tokens that followed it there.")
 
 
-def _found(toks: list, min_n: int, max_n: int) -> str:
-    """Where the reference's match is, for a learner who found none (a search that stops short shows)."""
+def _match(toks: list, min_n: int, max_n: int) -> tuple[int, int] | None:
+    """(n, start) of the reference's match: the longest suffix, its most recent earlier occurrence."""
     L = len(toks)
     for n in range(max_n, min_n - 1, -1):
         for i in range(L - n - 1, -1, -1):
             if toks[i:i + n] == toks[L - n:]:
-                return f" (it matches the last {plural(n, 'token')} at position {i} of {L})"
-    return ""
+                return n, i
+    return None
+
+
+def _match_start(toks: list, min_n: int, max_n: int) -> int | None:
+    m = _match(toks, min_n, max_n)
+    return None if m is None else m[1]
+
+
+def _found(toks: list, min_n: int, max_n: int) -> str:
+    """Where the reference's match is, for a learner who found none (a search that stops short shows)."""
+    m = _match(toks, min_n, max_n)
+    return "" if m is None else f" (it matches the last {plural(m[0], 'token')} at position {m[1]} of {len(toks)})"
 
 
 def _show(toks: list) -> str:
@@ -214,7 +231,7 @@ _FIXED_CASES = [
     ("token ids past 16 bits beside their 16-bit aliases (id % 65,536)",
      [151_000, 70_000, 65_537, 9, 19_928, 4_464, 1, 8, 151_000, 70_000], 3, 1, 2, ("ids past 16 bits", _D, _X)),
     # 2,048 distinct ids spread over the vocabulary: the suffix's only earlier occurrence is the very first tokens.
-    ("a sequence as long as SmolLM2's context (2,048 tokens): the only earlier occurrence is at the start",
+    ("a sequence of 2,048 tokens (past any window a learner might cap at): the only earlier occurrence is at the start",
      [7 + 73 * i for i in range(2046)] + [7, 80], 3, 1, 3, ("max_model_len", _D, _X)),
 ]
 
@@ -530,7 +547,7 @@ _STORIES = [
     # rollback that gives back by block number (not last block first) shows, and so does a memo kept per table object.
     (8, 2, "a table emptied and grown again, its blocks now out of order: a rollback gives back the last block in the "
            "table first, whatever its number", [("append", 0, 4), ("truncate", 0, 0), ("append", 0, 16), ("truncate", 0, 8)]),
-    (32, 64, "a table as long as SmolLM2's context (2,048 slots) in a full pool, rolled back at, below and above block "
+    (32, 64, "a table of 2,048 slots (past any window a learner might cap at) in a full pool, rolled back at, below and above block "
              "boundaries", [("append", 0, 2048), ("truncate", 0, 2048), ("truncate", 0, 2047), ("truncate", 0, 1985),
                             ("truncate", 0, 1984), ("append", 0, 64), ("truncate", 0, 1)]),
 ]

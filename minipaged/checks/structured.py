@@ -160,8 +160,13 @@ def _cases(seed: int, runs: int, vocab: list) -> Iterator[tuple]:
     yield ("a vocabulary and a choice list that come back in the next cases", same_vocab, same_choices, b"", s,
            ("empty", _LEAVE, _PAST) + _INSIDE)
     same_choices[:] = ["Positive", "Negative", "Neutral"]
-    yield ("the same choice list, now other choices (changed in place)", same_vocab, same_choices, b"Ne", s,
+    ne = b"Ne"
+    yield ("the same choice list, now other choices (changed in place)", same_vocab, same_choices, ne, s,
            ("reused object", _LEAVE) + _INSIDE)
+    same_choices[:] = ["Never", "Nearly"]  # every argument the very object of the last call: only the contents moved
+    yield ("the same lists and prefix once more, the choices changed in place again", same_vocab, same_choices, ne, s,
+           ("reused object",) + _INSIDE)
+    same_choices[:] = ["Positive", "Negative", "Neutral"]
     same_vocab += [vocab[t % len(vocab)] for t in range(len(vocab), QWEN_REGULAR)]
     same_vocab += [None] * (QWEN_VOCAB - QWEN_REGULAR)
     yield (f"the same vocabulary, grown in place to Qwen2.5's size ({QWEN_VOCAB:,} ids: SmolLM2's tokens repeated, "
@@ -311,7 +316,7 @@ def check_choice_mask(choice_mask: Callable, seed: int = 0, runs: int = 16, time
                     if not torch.equal(exp, theirs):  # the reference is held to xgrammar before it judges anyone
                         raise RuntimeError(f"minipaged's trie walk and xgrammar disagree on {what}: please report this")
                     state["xgr"] += 1
-                got = learner_call(choice_mask, vocab, choices, bytes(prefix), list(stops), what=what)
+                got = learner_call(choice_mask, vocab, choices, prefix, stops, what=what)  # the very objects: the reused ones show
                 n = len(vocab)
                 if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or tuple(got.shape) != (n,):
                     desc = (f"a {got.dtype} tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor)

@@ -1,5 +1,6 @@
-"""Shared by the watch's wrong answers (tests/wrong_answers/NN_*/{unlisted_module,recompiled_reference,
-prestarted_thread}.py): each plants one way around the delegation watch into a workbook's solved answer.
+"""Shared by the planted wrong answers: each plants one way around the delegation watch
+(tests/wrong_answers/NN_*/{unlisted_module,recompiled_reference,prestarted_thread}.py), or one shortcut that passes
+small inputs only ({narrowed_ids,bounded_window,id_keyed_memo}.py), into a workbook's solved answer.
 
 - ``with_unlisted_call``: the solved answer, but one method (or the function) first calls a check's own helper
   (minipaged.checks._core.plain), package code no workbook hands the learner;
@@ -94,3 +95,62 @@ class PreStarted:
 THREAD_EXPECT = ["a thread your code started earlier is still running", "my-worker", "join it"]
 UNLISTED_EXPECT = ["minipaged.checks._core.plain", "does not hand you"]
 COPY_EXPECT = ["copy of minipaged's", "compiled again"]
+
+
+# -- shortcuts that pass small inputs only (issue 40): ids, lengths, identity -------------------------------
+def _rebind(fn, change):
+    """``fn`` whose arguments pass through ``change(bound arguments)`` first."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        change(bound.arguments)
+        return fn(*bound.args, **bound.kwargs)
+
+    return wrapped
+
+
+def narrowed(fn, param: str):
+    """``fn`` that first stores the token ids of ``param`` in 16 bits (a uint16 array, "to save memory"):
+    70,000 becomes 4,464."""
+    from array import array
+
+    def change(a):
+        if isinstance(a[param], (list, tuple)):
+            a[param] = type(a[param])(array("H", [int(t) & 0xFFFF for t in a[param]]))
+
+    return _rebind(fn, change)
+
+
+def windowed(fn, param: str, window: int = 1024):
+    """``fn`` that looks only at the last ``window`` token ids of ``param``, or caps a length ``param`` at
+    ``window`` ("no prompt is longer than that"): SmolLM2-135M serves 8,192."""
+    def change(a):
+        if isinstance(a[param], (list, tuple)):
+            a[param] = a[param][-window:]
+        elif isinstance(a[param], int):
+            a[param] = min(a[param], window)
+
+    return _rebind(fn, change)
+
+
+def memo_by_id(fn):
+    """``fn`` with a memo keyed by its arguments' id() (numbers by value): an object changed in place, or a
+    new one that took a freed one's id, gets the answer of what was there before."""
+    memo: dict = {}
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        key = tuple(x if isinstance(x, (int, float, str, bool, type(None))) else id(x)
+                    for x in list(args) + sorted(kwargs.items()))
+        if key not in memo:
+            memo[key] = fn(*args, **kwargs)
+        return memo[key]
+
+    return wrapped
+
+
+def subclass_with(cls: type, method: str, plant, *args):
+    """``cls`` with ``method`` replaced by ``plant(method, *args)``: a learner's class with that shortcut."""
+    return type(cls.__name__, (cls,), {method: plant(getattr(cls, method), *args)})
