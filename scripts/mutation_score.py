@@ -189,14 +189,18 @@ def _sites(tree: ast.Module, lines: set[int]):
     return out
 
 
+def solution_cells(nb: dict):
+    """(index, source, solution line numbers) of every code cell of ``nb`` that holds a solution block."""
+    for c, cell in enumerate(nb["cells"]):
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if cell["cell_type"] == "code" and BEGIN in src:
+            yield c, src, solution_lines(src)
+
+
 def mutants(stem: str) -> list[Mutant]:
     nb = json.loads((SOLUTIONS / f"{stem}.ipynb").read_text(encoding="utf-8"))
     found: list[Mutant] = []
-    for c, cell in enumerate(nb["cells"]):
-        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        if cell["cell_type"] != "code" or BEGIN not in src:
-            continue
-        lines = solution_lines(src)
+    for c, src, lines in solution_cells(nb):
         src_lines = src.split("\n")
         tree = ast.parse(src)
         for idx, node, op, detail, how in _sites(tree, lines):
@@ -296,11 +300,7 @@ def input_mutants(stem: str, nb: dict) -> list[Mutant]:
     `window`; that takes a length, `window`; that takes an object a memo could key on, `memo` (the function,
     or the method of its class, wrapped by a memo keyed by the arguments' id())."""
     out: list[Mutant] = []
-    for c, cell in enumerate(nb["cells"]):
-        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        if cell["cell_type"] != "code" or BEGIN not in src:
-            continue
-        lines = solution_lines(src)
+    for c, src, lines in solution_cells(nb):
         tree = ast.parse(src)
         owners = {id(f): cls for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
                   for f in cls.body if isinstance(f, ast.FunctionDef)}
@@ -347,11 +347,7 @@ def watch_mutants(stem: str, nb: dict) -> list[Mutant]:
         return []               # (rules_table.WATCH_PLANTS_NOT_APPLICABLE); build_engine is glue it hands over
     out: list[Mutant] = []
     last_cell = None
-    for c, cell in enumerate(nb["cells"]):
-        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        if cell["cell_type"] != "code" or BEGIN not in src:
-            continue
-        lines = solution_lines(src)
+    for c, src, lines in solution_cells(nb):
         tree = ast.parse(src)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(_inside(st, lines) for st in node.body):
