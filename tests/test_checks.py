@@ -392,12 +392,8 @@ def test_engine_mismatch_names_the_part_to_blame(tmp_path, monkeypatch, one_thre
     if hasattr(BlockTable, "as_tensor"):
         pytest.skip("needs the engine that serves Protocol-only parts (issue 10's contracts, not merged yet)")
     from minipaged.checks import assemble
-    from minipaged.llm import LLM
 
-    folder = tmp_path / "learner"
-    folder.mkdir()
-    for stem in ("02_block_allocator", "03_block_table", "04_paged_attention_torch", "06_scheduler"):
-        shutil.copy(SOLUTIONS / f"{stem}.ipynb", folder)
+    folder = _parts_folder(tmp_path)
     load = assemble.load_parts
 
     def load_with_drifting_attention(*args, **kwargs):
@@ -414,12 +410,8 @@ def test_engine_mismatch_names_the_part_to_blame(tmp_path, monkeypatch, one_thre
 
     monkeypatch.setattr(assemble, "load_parts", load_with_drifting_attention)
 
-    def build_engine(model, tokenizer, parts, **engine_args):
-        return LLM(model, tokenizer, allocator_cls=parts.allocator_cls, block_table_cls=parts.block_table_cls,
-                   scheduler_cls=parts.scheduler_cls, attention=parts.attention, **engine_args)
-
     with pytest.raises(CheckFailed, match="differ from the reference engine") as info:
-        assemble.check_engine(build_engine, folder)
+        assemble.check_engine(_build_engine, folder)
     assert "with minipaged's attention (04/05) instead of yours, the answers match" in str(info.value)
 
 
@@ -536,6 +528,14 @@ def _parts_folder(tmp_path: Path) -> Path:
     for stem in ("02_block_allocator", "03_block_table", "04_paged_attention_torch", "06_scheduler"):
         shutil.copy(SOLUTIONS / f"{stem}.ipynb", folder)
     return folder
+
+
+def _build_engine(model, tokenizer, parts, **engine_args):
+    """Workbook 07's answer: minipaged's engine serving the learner's parts."""
+    from minipaged.llm import LLM
+
+    return LLM(model, tokenizer, allocator_cls=parts.allocator_cls, block_table_cls=parts.block_table_cls,
+               scheduler_cls=parts.scheduler_cls, attention=parts.attention, **engine_args)
 
 
 def test_workbook_05_is_optional_on_a_gpu(tmp_path: Path, capsys, one_thread) -> None:
@@ -779,18 +779,10 @@ def test_the_engine_rows_situations_are_built_by_the_solution_run(tmp_path, one_
     from minipaged.checks import assemble
     from minipaged.checks._core import recording_situations
 
-    folder = tmp_path / "learner"
-    folder.mkdir()
-    for stem in ("02_block_allocator", "03_block_table", "04_paged_attention_torch", "06_scheduler"):
-        shutil.copy(SOLUTIONS / f"{stem}.ipynb", folder)
-    from minipaged.llm import LLM
-
-    def build_engine(model, tokenizer, parts, **engine_args):  # workbook 07's answer
-        return LLM(model, tokenizer, allocator_cls=parts.allocator_cls, block_table_cls=parts.block_table_cls,
-                   scheduler_cls=parts.scheduler_cls, attention=parts.attention, **engine_args)
+    folder = _parts_folder(tmp_path)
     with recording_situations() as built, contextlib.redirect_stdout(io.StringIO()):
         assemble.load_parts(folder)
-        assemble.check_engine(build_engine, folder)
+        assemble.check_engine(_build_engine, folder)
     for rule in (r for r in RULES if r.workbook == "07_assemble"):
         missing = sorted(set(rule.situations) - built)
         assert not missing, f"07:{rule.wrong} names {missing}, which the solution run did not build ({sorted(built)})"
