@@ -154,6 +154,36 @@ def test_unsupported_gguf_architecture(tmp_path):
         load_model(path)
 
 
+def test_the_loaders_reader_reads_what_gguf_reads(smollm2_path):
+    """open_gguf's reader (a plain-array map, for speed) against gguf's own on the default model:
+    the same fields with the same contents, the same tensors with the same bytes, read-only."""
+    import gguf
+
+    from minipaged.model.gguf_loader import open_gguf
+
+    mine, theirs = open_gguf(smollm2_path), gguf.GGUFReader(smollm2_path)
+    assert list(mine.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        a, b = mine.fields[key].contents(), field.contents()
+        assert (list(a) == list(b)) if isinstance(b, list) else a == b, key
+    assert [t.name for t in mine.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(mine.tensors, theirs.tensors):
+        assert (a.tensor_type, list(a.shape)) == (b.tensor_type, list(b.shape)), a.name
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
+        assert not np.asarray(a.data).flags.writeable, a.name
+
+
+def test_a_file_opened_again_shares_its_reader_and_a_rewritten_one_does_not(tmp_path):
+    from minipaged.model.gguf_loader import open_gguf
+
+    path = write_gguf(tmp_path / "model.gguf")
+    first = open_gguf(path)
+    assert open_gguf(path) is first and open_gguf(str(path)) is first
+    write_gguf(tmp_path / "model.gguf", n_tensor_values=8192)     # rewritten in place: other bytes
+    second = open_gguf(path)
+    assert second is not first and second.tensors[0].n_elements == 8192
+
+
 def test_truncated_safetensors_names_the_shard(tiny_hf_dir, tmp_path):
     folder = copy_folder(tiny_hf_dir, tmp_path / "broken")
     shard = sorted(folder.glob("*.safetensors"))[-1]

@@ -6,6 +6,7 @@ build the model (see ``load_model`` in __init__.py).
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -88,19 +89,60 @@ class _Meta:
         return self.fields[key].contents()
 
 
-def open_gguf(path: str | Path):
-    """A ``gguf.GGUFReader`` on ``path``, or an error that names the file if it is not a whole GGUF."""
+# The readers this process opened, newest last: (resolved path, size, mtime, inode) -> reader. Parsing
+# a file's metadata (a chat model's 49,152-token vocabulary and its merges) takes seconds, and one
+# LLM() reads the file twice: the loader for the fp32 weights and the tokenizer, the plan for the
+# quantized blocks. The readers are read-only memory maps; a rewritten file is a new key.
+_READERS: dict = {}
+_KEEP_READERS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_reader_class():
+    """``gguf.GGUFReader`` with its file map as a plain ndarray: the reader parses the metadata as
+    hundreds of thousands of small views of ``self.data``, and a view of an ``np.memmap`` pays
+    the subclass's bookkeeping each time (4x the whole parse). The same bytes, read-only, the same
+    fields and tensors; the map stays open as long as any view does."""
     import gguf
 
+    class PlainReader(gguf.GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain_data
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return PlainReader
+
+
+def open_gguf(path: str | Path):
+    """A ``gguf.GGUFReader`` on ``path``, or an error that names the file if it is not a whole GGUF.
+    The same file (same size, modification time and inode) opened again in this process gets the
+    reader already made: read-only, so shared."""
     path = Path(path)
     try:
-        return gguf.GGUFReader(path)
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    except OSError:
+        key = None  # no such file: the reader below says so, with the path
+    if key is not None and key in _READERS:
+        _READERS[key] = _READERS.pop(key)  # the newest again
+        return _READERS[key]
+    try:
+        reader = _plain_reader_class()(path)
     except Exception as e:  # the reader raises whatever numpy raises on short or foreign bytes
         size = path.stat().st_size if path.exists() else 0
         raise CorruptModelError(
             f"{path} ({size / 2**20:.1f} MiB) is not a readable GGUF file: {type(e).__name__}: {str(e).rstrip('.')}. "
             "A truncated download is the usual cause: delete it and download or reinstall it again."
         ) from e
+    if key is not None:
+        _READERS[key] = reader
+        while len(_READERS) > _KEEP_READERS:
+            _READERS.pop(next(iter(_READERS)))
+    return reader
 
 
 def check_architecture(meta: _Meta, path: Path) -> str:
