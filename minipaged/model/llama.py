@@ -162,7 +162,13 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Its own init only off the meta device (where load_model builds): a normal_ on a meta
+        # tensor goes through PyTorch's Python decompositions, whose first use imports
+        # torch._dynamo (seconds). The same draws as nn.Embedding's own init otherwise.
+        emb = torch.empty(config.vocab_size, config.hidden_size)
+        if emb.device.type != "meta":
+            nn.init.normal_(emb)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=emb)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
