@@ -426,22 +426,27 @@ TRIES = 3
 
 
 def check_measured(name: str, once: Callable[[bool], tuple[float, float]], tolerance: float | None = None,
-                   unit: str = "", explained: str | None = None, factor: float | None = None,
-                   tries: int = TRIES) -> Prediction:
+                   unit: str = "", explained: str | Callable[[], str | None] | None = None,
+                   factor: float | None = None, tries: int = TRIES,
+                   again: str = "profiling and measuring again") -> Prediction:
     """:func:`check_prediction` on a measurement that a busy moment can skew. ``once(fresh)`` returns
     ``(predicted, measured)``; ``fresh=True`` asks it to profile (``profile(..., fresh=True)``) and
     measure again. A miss is measured again, saying so, up to ``tries`` readings in all; a miss
     that stays fails the cell (or is printed as explained). The retries keep a lesson honest (a
-    wrong model misses every time) without failing on one noisy reading."""
+    wrong model misses every time) without failing on one noisy reading. ``explained`` may be a
+    function of no arguments, called after the last reading: a cause read from the measurement
+    that stands (its text, or None where that measurement shows no cause)."""
     if tries < 1:
         raise ValueError(f"tries is how many readings to take, at least 1, got {tries}")
     predicted, measured = once(False)
     for k in range(2, tries + 1):
         if _within(float(predicted), float(measured), tolerance, factor):
             break
-        print(f"try {k - 1}: predicted {_num(predicted, unit)}, measured {_num(measured, unit)}; profiling and measuring again")
+        print(f"try {k - 1}: predicted {_num(predicted, unit)}, measured {_num(measured, unit)}; {again}")
         predicted, measured = once(True)
-    return check_prediction(name, predicted, measured, tolerance, unit=unit, explained=explained, factor=factor)
+    why = explained() if callable(explained) and not _within(float(predicted), float(measured), tolerance, factor) \
+        else None if callable(explained) else explained
+    return check_prediction(name, predicted, measured, tolerance, unit=unit, explained=why, factor=factor)
 
 
 def check_decode_step(llm_or_engine: Any, name: str, batch: int, context: int, tolerance: float = 0.25,

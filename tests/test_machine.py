@@ -392,3 +392,30 @@ def test_check_measured_retries_a_miss_once_fresh_and_a_miss_that_stays_fails(ca
     assert not p.ok and p.explained == "the padded gather"              # an explained miss passes, printed as one
     calls.clear()
     assert machine.check_measured("knee", readings((4.0, 5.5)), factor=1.5).ok and calls == [False]
+
+
+def test_check_measured_reads_a_callable_cause_from_the_reading_that_stands(capsys):
+    """``explained`` as a function: asked only after the last reading, and only on a miss; what it
+    returns for that reading is the cause, and None (no cause in that measurement) fails the cell."""
+    state = {"reading": 0}
+
+    def once(fresh):
+        state["reading"] += 1
+        return 10.0, (30.0 if state["reading"] < 3 else 31.0)
+
+    asked = []
+
+    def cause():
+        asked.append(state["reading"])
+        return f"reading {state['reading']}'s queue" if state["reading"] == 3 else None
+
+    p = machine.check_measured("ttft", once, 0.3, explained=cause)
+    assert asked == [3] and not p.ok and p.explained == "reading 3's queue"
+    assert "explained miss: reading 3's queue" in capsys.readouterr().out
+    state["reading"], asked[:] = 0, []
+    with pytest.raises(AssertionError, match="beyond tolerance"):
+        machine.check_measured("ttft", once, 0.3, explained=lambda: asked.append(1) or None)
+    assert asked == [1]
+    asked.clear()
+    assert machine.check_measured("ttft", lambda fresh: (10.0, 11.0), 0.3, explained=lambda: asked.append(1)).ok
+    assert asked == []                                                  # a hit never asks for a cause
