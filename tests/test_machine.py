@@ -323,7 +323,7 @@ def test_ceilings_keep_each_ceilings_best_reading_for_a_sitting(tmp_path, monkey
     from minipaged.bench import hardware
 
     monkeypatch.setenv("MINIPAGED_CACHE_DIR", str(tmp_path))
-    reads = iter([25.0, 10.0, 30.0, 12.0, 11.0, 13.0, 14.0])          # GB/s of successive readings
+    reads = iter([25.0, 10.0, 30.0, 12.0, 9.0, 11.0, 13.0, 14.0])          # GB/s of successive readings
     monkeypatch.setattr(hardware, "bandwidth", lambda mib, repeats: {"read_GBps": next(reads), "copy_GBps": 20.0})
     monkeypatch.setattr(hardware, "gemm_gflops", lambda repeats: 400.0)
     first = hardware.ceilings(cache_s=3600)
@@ -336,7 +336,10 @@ def test_ceilings_keep_each_ceilings_best_reading_for_a_sitting(tmp_path, monkey
     path, _ = hardware._ceilings_file(True)
     kept = json.loads(path.read_text())
     assert kept["ceilings"]["read_GBps"] == 30.0 and kept["readings"] == 3
-    path.write_text(json.dumps({**kept, "measured_at": kept["measured_at"] - 7200}))      # two hours old
+    path.write_text(json.dumps({**kept, "measured_at": kept["measured_at"] - 7200}))      # began two hours ago,
+    assert hardware.ceilings(cache_s=3600)["read_GBps"] == 30.0          # read a moment ago: the same sitting
+    kept = json.loads(path.read_text())
+    path.write_text(json.dumps({**kept, "last_at": kept["last_at"] - 7200}))              # its newest reading two hours old
     assert hardware.ceilings(cache_s=3600)["read_GBps"] == 11.0          # a new sitting
     path.write_text(json.dumps({**json.loads(path.read_text()), "signature": "another machine"}))
     assert hardware.ceilings(cache_s=3600)["read_GBps"] == 13.0

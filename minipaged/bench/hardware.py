@@ -93,8 +93,9 @@ def ceilings(quick: bool = True, cache_s: float | None = None) -> dict[str, floa
     ``cache_s``: one roofline for a sitting. Lessons run in separate processes, and a shared
     host's bandwidth moves by a third from one moment to the next, so each would print its own.
     With ``cache_s``, the ceilings are still measured, then merged with the ones this machine
-    (same host, cores, threads and torch) kept in minipaged's cache folder less than ``cache_s``
-    seconds ago, keeping each ceiling's best reading (a busy moment only ever lowers a ceiling),
+    (same host, cores, threads and torch) kept in minipaged's cache folder, whose newest reading is
+    less than ``cache_s`` seconds old (a sitting lasts while lessons keep reading it), keeping each
+    ceiling's best reading (a busy moment only ever lowers a ceiling),
     and the merge is kept for the next process. ``None`` (the default): this measurement alone,
     nothing kept. ``measured_at`` (``time.time()`` of the oldest reading used) and ``kept`` (how
     many earlier readings were merged) say which."""
@@ -109,14 +110,17 @@ def ceilings(quick: bool = True, cache_s: float | None = None) -> dict[str, floa
         path, sig = _ceilings_file(quick)
         try:
             old = json.loads(path.read_text())
-            if old.get("signature") == sig and 0 <= now - old["measured_at"] < cache_s:
+            # a sitting lasts while its readings keep coming: expired cache_s after its newest one,
+            # so a run of lessons never starts a new roofline halfway through
+            if old.get("signature") == sig and 0 <= now - float(old.get("last_at", old["measured_at"])) < cache_s:
                 best = {k: max(v, float(old["ceilings"][k])) for k, v in best.items()}
                 since, kept = float(old["measured_at"]), int(old.get("readings", 1))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # no file, another machine's, or unreadable: this reading starts a new sitting
         try:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"signature": sig, "measured_at": since, "readings": kept + 1, "ceilings": best}))
+            tmp.write_text(json.dumps({"signature": sig, "measured_at": since, "last_at": now, "readings": kept + 1,
+                                       "ceilings": best}))
             os.replace(tmp, path)
         except OSError:
             pass  # a read-only cache folder: this reading is still returned, only not kept
