@@ -40,7 +40,10 @@ SLOW_TESTS: dict[str, tuple[str, ...] | None] = {
                           "test_assemble_finds_the_learners_own_workbooks"),
     "test_checks.py": ("test_wrong_answer_is_rejected[07_assemble/", "test_engine_mismatch_names_the_part_to_blame",
                        "test_workbook_05_is_optional_on_a_gpu", "test_solution_kernel_passes_in_the_interpreter",
-                       "test_solutions_pass_every_check", "test_wrong_answer_is_rejected[02_block_allocator/endless_loop]"),
+                       "test_solutions_pass_every_check", "test_wrong_answer_is_rejected[02_block_allocator/endless_loop]",
+                       # the input plants of workbook 10 run its whole solved workbook (the model, a profile)
+                       "test_wrong_answer_is_rejected[10_predict_and_measure/bounded_window]",
+                       "test_wrong_answer_is_rejected[10_predict_and_measure/id_keyed_memo]"),
     "test_rules.py": ("test_the_call_watch_imports_no_kernel_module",
                       "test_solution_passes_the_check[minipaged.checks.triton_decode:check_decode]",
                       "test_wrong_answer_fails_its_check_with_its_message[05:"),

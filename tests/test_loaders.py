@@ -154,6 +154,7 @@ def test_unsupported_gguf_architecture(tmp_path):
         load_model(path)
 
 
+@pytest.mark.slow   # gguf's own reader parses the vocabulary for seconds
 def test_the_loaders_reader_reads_what_gguf_reads(smollm2_path):
     """open_gguf's reader (a plain-array map, for speed) against gguf's own on the default model:
     the same fields with the same contents, the same tensors with the same bytes, read-only."""
