@@ -260,6 +260,9 @@ def test_timings_table_lists_every_lesson():
 # -- execution (slow) -------------------------------------------------------------------------
 # what minipaged.machine.check_prediction raises on a miss nothing explains (a lesson's prediction line)
 PREDICTION_MISS = "beyond tolerance. Check that the prediction and the measurement are of the same thing"
+# A shape a lesson asserts of a real server's measured runs (lesson 09's sweep), which one busy spell of the
+# machine can break: rerun once, as a prediction's miss is
+MEASURED_RUN_MISS = "a measured run's shape: on a busy machine, run the lesson again"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LESSONS)
@@ -271,7 +274,7 @@ def test_lesson_executes_and_matches_stored_outputs(name):
         str(NOTEBOOKS / f"{name}.ipynb"),
     ]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if r.returncode != 0 and PREDICTION_MISS in r.stdout:
+    if r.returncode != 0 and (PREDICTION_MISS in r.stdout or MEASURED_RUN_MISS in r.stdout):
         # A lesson's prediction missed after its own retries: on a shared CI machine whose speed swings (2x in
         # a minute, seen here), run the lesson once more before calling it broken. Any other failure fails now;
         # a wrong model misses every time, and tests/test_planted_bugs.py plants one without this rerun.
