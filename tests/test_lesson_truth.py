@@ -394,7 +394,7 @@ def test_lesson_11_sets_its_all_reduce_bytes_beside_the_tensor_parallel_runs_cou
 # -- predict, then measure (issue 33): one model of this machine, one format --------------------------
 # Every lesson that times something sets a prediction beside the measurement in the one format that
 # minipaged.machine.check_prediction prints; the stored run's lines are read back here.
-PREDICTING = ("00", "01", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14")   # 05: the C kernel on a CPU, the Triton kernel on a GPU
+PREDICTING = ("00", "01", "02", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14")   # 05: the C kernel on a CPU, the Triton kernel on a GPU
 
 ALL_LESSONS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
