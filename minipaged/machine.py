@@ -444,8 +444,9 @@ def check_measured(name: str, once: Callable[[bool], tuple[float, float]], toler
             break
         print(f"try {k - 1}: predicted {_num(predicted, unit)}, measured {_num(measured, unit)}; {again}")
         predicted, measured = once(True)
-    why = explained() if callable(explained) and not _within(float(predicted), float(measured), tolerance, factor) \
-        else None if callable(explained) else explained
+    why = explained
+    if callable(explained):  # a cause read from the reading that stands, asked only on a miss
+        why = None if _within(float(predicted), float(measured), tolerance, factor) else explained()
     return check_prediction(name, predicted, measured, tolerance, unit=unit, explained=why, factor=factor)
 
 
