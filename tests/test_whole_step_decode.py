@@ -55,8 +55,9 @@ def decode_step(eng, n, seed=0, lens=None):
         t.normal_(0, 1, generator=g)
     lens = lens or [int(x) for x in torch.randint(1, 30, (n,), generator=g)]
     per = [-(-L // BS) for L in lens]
-    assert sum(per) <= NUM_BLOCKS
-    ids = torch.randperm(NUM_BLOCKS, generator=g)[: sum(per)].to(torch.int32)
+    num_blocks = eng.kv_cache.k[0].shape[0]
+    assert sum(per) <= num_blocks
+    ids = torch.randperm(num_blocks, generator=g)[: sum(per)].to(torch.int32)
     tables = torch.zeros(n, max(per), dtype=torch.int32)
     at = 0
     for s, p in enumerate(per):
@@ -98,6 +99,20 @@ def test_the_one_call_gives_the_layer_by_layer_bits(head_dim, bias, n):
     torch.testing.assert_close(h1, h3, rtol=1e-4, atol=1e-4)  # the plain route: another order of the sums
     for a, b in zip(c1, c3):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_a_step_past_one_chunk_of_rows_gives_the_layer_by_layer_bits():
+    """A long step (a prefill's tokens as decode rows) multiplies QROWS (256) rows at a time: 300
+    rows cross a chunk boundary and still get the layer-by-layer bits."""
+    model = gguf_model(64, False)
+    whole, layers = engine(model, **ALL_ON, num_blocks=320), engine(model, **LAYERS, num_blocks=320)
+    lens = [1 + i % BS for i in range(300)]  # one block each
+    h1, c1, r1 = run(whole, 300, seed=3, lens=lens)
+    h2, c2, r2 = run(layers, 300, seed=3, lens=lens)
+    assert (r1, r2) == ("whole_step", "layers")
+    assert torch.equal(h1, h2), f"hidden states differ by {(h1 - h2).abs().max():.3g}"
+    assert all(torch.equal(a, b) for a, b in zip(c1, c2)), "the K/V pages differ"
 
 
 @needs_kernels

@@ -55,14 +55,17 @@ static inline int64_t qlinear_units(const mp_qlinear *w, int64_t M) {
     return w->N;
 }
 
-static inline void qlinear_unit(const mp_job *j, int64_t M, int64_t u, float *panel, float *accs) {
+static inline void qlinear_unit(const mp_job *j, int64_t M, int64_t u, float *panel, float *accs, int64_t m0,
+                                int64_t mc) {
     const mp_qlinear *w = j->w;
 #if defined(__AVX512F__)
     if (M > 8) {
-        qlane_pair(j->x, w->K, w->qt, w->dt, w->mt, (int)w->kind, j->y, M, w->N, w->K, u, panel, accs, NULL, NULL);
+        qlane_pair(j->x + m0 * w->K, w->K, w->qt, w->dt, w->mt, (int)w->kind, j->y + m0 * w->N, mc, w->N, w->K, u,
+                   panel, accs, NULL, NULL);
         return;
     }
 #endif
+    (void)m0, (void)mc;
     (void)panel, (void)accs;
     if (M <= 8) {
         qrow_one(j->x, w->K, w->rq, w->rd, w->rm, (int)w->kind, j->y, M, w->N, w->K, u);
@@ -76,16 +79,21 @@ static inline void qlinear_unit(const mp_job *j, int64_t M, int64_t u, float *pa
     }
 }
 
-/* Inside a parallel region: every job's y = x @ W^T (+ bias), the jobs' units split over the team. */
+/* Inside a parallel region: every job's y = x @ W^T (+ bias), the jobs' units split over the team,
+ * QROWS rows of x at a time (a prefill's long step: the rows every unit reads stay in cache, as in
+ * qmatmul_avx512; each row's sums are the same whichever chunk it falls in). */
 static void qlinear_jobs(const mp_job *jobs, int nj, int64_t M, float *panel, float *accs) {
     int64_t total = 0;
     for (int j = 0; j < nj; j++) total += qlinear_units(jobs[j].w, M);
+    for (int64_t m0 = 0; m0 < M; m0 += QROWS) {
+        const int64_t mc = M - m0 < QROWS ? M - m0 : QROWS;
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < total; i++) {
-        int j = 0;
-        int64_t u = i;
-        while (u >= qlinear_units(jobs[j].w, M)) u -= qlinear_units(jobs[j].w, M), j++;
-        qlinear_unit(&jobs[j], M, u, panel, accs);
+        for (int64_t i = 0; i < total; i++) {
+            int j = 0;
+            int64_t u = i;
+            while (u >= qlinear_units(jobs[j].w, M)) u -= qlinear_units(jobs[j].w, M), j++;
+            qlinear_unit(&jobs[j], M, u, panel, accs, m0, mc);
+        }
     }
     int biased = 0;
     for (int j = 0; j < nj; j++) biased |= jobs[j].w->bias != NULL;
@@ -133,7 +141,8 @@ int minipaged_decode_layers_f32(const mp_layer *layers, int64_t num_layers, cons
 #pragma omp parallel
     {
         float *panel = (float *)aligned_alloc(64, sizeof(float) * 32 * QKC);
-        float *accs = (float *)aligned_alloc(64, sizeof(float) * 32 * ((M + QM - 1) / QM) * QM);
+        const int64_t rows_max = M < QROWS ? M : QROWS; /* the GEMMs take a long step QROWS rows at a time */
+        float *accs = (float *)aligned_alloc(64, sizeof(float) * 32 * ((rows_max + QM - 1) / QM) * QM);
         float *scores = (float *)malloc(sizeof(float) * H * max_len);
         if (!panel || !accs || !scores) {
 #pragma omp atomic write

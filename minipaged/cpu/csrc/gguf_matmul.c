@@ -27,7 +27,7 @@
 #define QBLOCK 32
 #define QM 8       /* rows of x per tile: 8 x 2 accumulator registers */
 #define QKC 256    /* k per panel stretch: 256 x 32 floats = 32 KB, in L1 */
-#define QROWS 1024 /* rows of x per pass over the weights (a multiple of QM) */
+#define QROWS 256  /* rows of x per pass over the weights (a multiple of QM) */
 
 static inline float q_weight(int kind, const uint8_t *qt, const float *dt, const float *mt, int64_t K, int64_t n,
                              int64_t k) {
