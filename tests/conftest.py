@@ -43,7 +43,11 @@ SLOW_TESTS: dict[str, tuple[str, ...] | None] = {
                        "test_solutions_pass_every_check", "test_wrong_answer_is_rejected[02_block_allocator/endless_loop]",
                        # the input plants of workbook 10 run its whole solved workbook (the model, a profile)
                        "test_wrong_answer_is_rejected[10_predict_and_measure/bounded_window]",
-                       "test_wrong_answer_is_rejected[10_predict_and_measure/id_keyed_memo]"),
+                       "test_wrong_answer_is_rejected[10_predict_and_measure/id_keyed_memo]",
+                       "test_wrong_answer_is_rejected[11_structured_outputs/id_keyed_memo]"),
+    "test_lesson_truth.py": ("test_lesson_10_runs_the_learners_parts_where_they_pass",),  # the model, served twice
+    # the paper's KV-quantization comparison, simulated end to end
+    "test_kv_quant_paper.py": ("test_the_prediction_is_said_before_any_simulation_runs", "test_the_cli_writes_the_comparison"),
     "test_rules.py": ("test_the_call_watch_imports_no_kernel_module",
                       "test_solution_passes_the_check[minipaged.checks.triton_decode:check_decode]",
                       "test_wrong_answer_fails_its_check_with_its_message[05:"),
