@@ -136,8 +136,10 @@ def test_a_dead_worker_fails_the_step_with_its_name_and_nothing_hangs(tiny_model
 # a few tokens generated, the workers' pids written, then either a normal exit without
 # shutdown() (the engine is never closed) or generation in a loop until a signal ends it.
 DRIVER = """
-import os, sys
+import faulthandler, os, signal, sys
 from minipaged import LLM, SamplingParams
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that gives up asks where it hung
 
 def main():
     mode, pidfile = sys.argv[1], sys.argv[2]
@@ -226,10 +228,12 @@ def test_no_worker_outlives_a_driver_stopped_mid_generation(tmp_path, sig):
     try:
         out, _ = proc.communicate(timeout=COLLECTIVE_TIMEOUT_S - 15)
     except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # its threads' stacks, for the message
+        time.sleep(2)
         proc.kill()
-        proc.communicate()
+        out, _ = proc.communicate()
         _assert_gone(pids, 0)
-        pytest.fail(f"the driver did not exit within {COLLECTIVE_TIMEOUT_S - 15} s of {sig}")
+        pytest.fail(f"the driver did not exit within {COLLECTIVE_TIMEOUT_S - 15} s of {sig}; it said:\n{out[-4000:]}")
     assert proc.returncode == -getattr(signal, sig) or (sig == "SIGINT" and proc.returncode == 1), out[-3000:]
     if sig == "SIGINT":
         assert "KeyboardInterrupt" in out and "Timed out" not in out, out[-3000:]
