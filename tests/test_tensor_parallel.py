@@ -140,6 +140,9 @@ import faulthandler, os, signal, sys
 from minipaged import LLM, SamplingParams
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that gives up asks where it hung
+# Ctrl-C as in a terminal: a test run started in the background (`make test &`, a CI job) hands
+# its children SIGINT ignored, and Python then never installs its KeyboardInterrupt handler
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def main():
     mode, pidfile = sys.argv[1], sys.argv[2]
