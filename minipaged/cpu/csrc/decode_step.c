@@ -65,13 +65,12 @@ static inline void qlinear_unit(const mp_job *j, int64_t M, int64_t u, float *pa
         return;
     }
 #endif
-    (void)m0, (void)mc;
     (void)panel, (void)accs;
     if (M <= 8) {
         qrow_one(j->x, w->K, w->rq, w->rd, w->rm, (int)w->kind, j->y, M, w->N, w->K, u);
         return;
     }
-    for (int64_t r = 0; r < M; r++) { /* portable, more than 8 rows: the lane layout's rule */
+    for (int64_t r = m0; r < m0 + mc; r++) { /* portable, more than 8 rows: the lane layout's rule, this chunk's rows */
         const float *xr = j->x + r * w->K;
         float acc = 0.f;
         for (int64_t k = 0; k < w->K; k++) acc += xr[k] * q_weight((int)w->kind, w->qt, w->dt, w->mt, w->K, u, k);
