@@ -21,7 +21,7 @@ from .bench.gpu.specs import ModelSpec
 
 # The profile's grids. Quick: a lesson's budget (about 10 s for SmolLM2-135M on 2 CPU cores); full: the
 # CPU validation's grids. Rows past a grid's last point extend its last segment (cost._interp).
-QUICK = {"rows": (1, 2, 3, 4, 8, 16, 32, 64, 128), "linear_repeats": 5,
+QUICK = {"rows": (1, 2, 3, 4, 5, 6, 8, 16, 32, 64, 128), "linear_repeats": 5,
          "attention_batches": (1, 8, 64), "attention_contexts": (32, 128, 512), "attention_repeats": 2,
          "decode_batches": (1, 16), "decode_context": 32, "decode_steps": 3, "prefill_tokens": (256,),
          "fused_batches": (4, 32)}
