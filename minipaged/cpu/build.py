@@ -104,6 +104,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "minipaged_qmatmul_f32": ([p, i64, p, p, p, i64, p, i64, i64, i64], ctypes.c_int),
         "minipaged_qmatvec_f32": ([p, i64, p, p, p, i64, p, i64, i64, i64], ctypes.c_int),
         "minipaged_qmatmul_fast": ([], ctypes.c_int),
+        "minipaged_qmatmul_amx": ([], ctypes.c_int),
+        "minipaged_set_amx": ([ctypes.c_int], ctypes.c_int),
         "minipaged_openmp": ([], ctypes.c_int),
         "minipaged_exp_f32": ([p, p, i64], None),
         "minipaged_qmatmul_argmax_f32": ([p, i64, p, p, p, i64, i64, i64, i64, p], ctypes.c_int),
@@ -153,7 +155,7 @@ def _build() -> tuple[ctypes.CDLL, dict]:
             continue
         return lib, {"compiler": compiler, "flags": " ".join(flags), "path": target.name, "built_now": built,
                      "build_seconds": time.perf_counter() - t0 if built else 0.0,
-                     "openmp": bool(lib.minipaged_openmp()), "avx512": bool(lib.minipaged_qmatmul_fast()),
+                     "openmp": bool(lib.minipaged_openmp()), "avx512": bool(lib.minipaged_qmatmul_fast()), "amx": bool(lib.minipaged_qmatmul_amx()),
                      "failed_flag_sets": errors}
     raise RuntimeError("the C compiler failed: " + "; ".join(errors))
 
@@ -180,7 +182,7 @@ def announcement() -> str:
         return f"minipaged: CPU kernels not built ({i['why_not']}); every route stays on PyTorch"
     how = f"built in {i['build_seconds']:.1f} s" if i["built_now"] else "loaded from the build cache"
     return (f"minipaged: CPU kernels {how} ({i['compiler']} {i['flags']}; OpenMP {'on' if i['openmp'] else 'OFF: one core'}; "
-            f"GGUF matmul {'AVX-512' if i['avx512'] else 'portable loop only'})")
+            f"GGUF matmul {('AVX-512 + AMX tiles' if i.get('amx') else 'AVX-512') if i['avx512'] else 'portable loop only'})")
 
 
 def show_notices(stream=None) -> None:

@@ -35,6 +35,26 @@ def qmatmul_fast() -> bool:
     return lib is not None and bool(lib.minipaged_qmatmul_fast())
 
 
+def qmatmul_amx() -> bool:
+    """True when the GGUF matmul's lane kernel (more than 8 rows: GEMMs, the head's argmax, the
+    whole-step decode's linears) runs on AMX tiles: a CPU with AMX-BF16 (Sapphire Rapids and
+    later) and a Linux that grants the tile state, unless ``MINIPAGED_AMX=0`` was set before the
+    kernels were first used. Each x is split exactly into three bf16 parts, so the products are
+    exact; the sums come in another order than on AVX-512 (as accurate as an fp32 matmul, not the
+    same bits). See csrc/gguf_matmul.c."""
+    lib = library()
+    return lib is not None and bool(lib.minipaged_qmatmul_amx())
+
+
+def set_amx(on: bool) -> bool:
+    """Turn the AMX kernel on or off for this process (tests compare the two); returns whether it
+    was on. Raises RuntimeError where it cannot be turned on (no AMX in this CPU or build)."""
+    was = _lib().minipaged_set_amx(1 if on else 0)
+    if was < 0:
+        raise RuntimeError("the AMX kernel cannot run here: this CPU or build has no AMX-BF16 (see qmatmul_amx)")
+    return bool(was)
+
+
 def openmp() -> bool:
     """True when the kernels split their work over the cores."""
     lib = library()
@@ -116,7 +136,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def qmatmul(x: torch.Tensor, blocks) -> torch.Tensor:
     """x (M, K) fp32 @ W^T -> (M, N), W given as its GGUF integers and scales (a
     cpu.gguf_blocks.GGUFBlocks): each fp32 weight is rebuilt exactly as gguf.quants makes it,
-    then multiplied in fp32. It reads a fifth of the fp32 weights' bytes."""
+    then multiplied in fp32. It reads a fifth of the fp32 weights' bytes. Past 8 rows on a CPU
+    with AMX (:func:`qmatmul_amx`) the same exact products are summed block by block on the tile
+    unit instead: as accurate, not the same bits."""
     N, K = blocks.out_features, blocks.in_features
     if x.dim() != 2 or x.shape[1] != K or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be fp32 (M, {K}) on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
@@ -275,5 +297,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x
 
 
-__all__ = ["paged_decode", "rmsnorm", "silu_mul", "rope_", "write_kv", "qmatmul", "qmatmul_argmax", "qmatmul_fast",
+__all__ = ["paged_decode", "rmsnorm", "silu_mul", "rope_", "write_kv", "qmatmul", "qmatmul_argmax", "qmatmul_fast", "qmatmul_amx", "set_amx",
            "openmp", "DecodeLayers", "decode_layers", "exp"]

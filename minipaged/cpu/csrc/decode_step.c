@@ -55,9 +55,29 @@ static inline int64_t qlinear_units(const mp_qlinear *w, int64_t M) {
     return w->N;
 }
 
+#if AMX_ON
+#define AMX_PASS AMX_ROWS
+#else
+#define AMX_PASS QROWS
+#endif
+/* The AMX kernel's shared split of a call's x and each thread's scratch (AMX_ON builds only). */
+typedef struct {
+    void *buf;     /* the split's memory, shared by the team (amx_x_at lays it out per call) */
+    void *scratch; /* this thread's amx_scratch */
+} mp_amx_ctx;
+
 static inline void qlinear_unit(const mp_job *j, int64_t M, int64_t u, float *panel, float *accs, int64_t m0,
-                                int64_t mc) {
+                                int64_t mc, const mp_amx_ctx *amx, const void *split) {
     const mp_qlinear *w = j->w;
+#if AMX_ON
+    if (M > 8 && amx) {
+        amx_scratch *sc = (amx_scratch *)amx->scratch;
+        amx_pair((const amx_x *)split, m0, mc, w->qt, w->dt, w->mt, (int)w->kind, w->N, u, sc->acc, sc->B, sc->C);
+        amx_finish(sc->acc, m0, mc, w->N, u, j->y, NULL, NULL);
+        return;
+    }
+#endif
+    (void)amx, (void)split;
 #if defined(__AVX512F__)
     if (M > 8) {
         qlane_pair(j->x + m0 * w->K, w->K, w->qt, w->dt, w->mt, (int)w->kind, j->y + m0 * w->N, mc, w->N, w->K, u,
@@ -81,17 +101,28 @@ static inline void qlinear_unit(const mp_job *j, int64_t M, int64_t u, float *pa
 /* Inside a parallel region: every job's y = x @ W^T (+ bias), the jobs' units split over the team,
  * QROWS rows of x at a time (a prefill's long step: the rows every unit reads stay in cache, as in
  * qmatmul_avx512; each row's sums are the same whichever chunk it falls in). */
-static void qlinear_jobs(const mp_job *jobs, int nj, int64_t M, float *panel, float *accs) {
+static void qlinear_jobs(const mp_job *jobs, int nj, int64_t M, float *panel, float *accs, const mp_amx_ctx *amx) {
     int64_t total = 0;
     for (int j = 0; j < nj; j++) total += qlinear_units(jobs[j].w, M);
-    for (int64_t m0 = 0; m0 < M; m0 += QROWS) {
-        const int64_t mc = M - m0 < QROWS ? M - m0 : QROWS;
+    const void *split = NULL;
+#if AMX_ON
+    amx_x s;
+    if (M > 8 && amx) { /* the jobs of one call read the same x: split it once, all rows */
+        amx_x_at(&s, amx->buf, M, jobs[0].w->K);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < s.Mp; r++) amx_split_row(jobs[0].x, jobs[0].w->K, M, r, &s);
+        split = &s;
+    }
+#endif
+    const int64_t pass = split ? AMX_PASS : QROWS; /* rows of x per pass over the weights */
+    for (int64_t m0 = 0; m0 < M; m0 += pass) {
+        const int64_t mc = M - m0 < pass ? M - m0 : pass;
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < total; i++) {
             int j = 0;
             int64_t u = i;
             while (u >= qlinear_units(jobs[j].w, M)) u -= qlinear_units(jobs[j].w, M), j++;
-            qlinear_unit(&jobs[j], M, u, panel, accs, m0, mc);
+            qlinear_unit(&jobs[j], M, u, panel, accs, m0, mc, amx, split);
         }
     }
     int biased = 0;
@@ -137,8 +168,26 @@ int minipaged_decode_layers_f32(const mp_layer *layers, int64_t num_layers, cons
     }
     const int64_t HD = H * D, row = H_kv * D;
     int failed = 0;
+#if AMX_ON
+    /* the AMX kernel's split of each linear's x: room for the widest (C, H D or I) */
+    const int64_t Kmax = C > I ? (C > HD ? C : HD) : (I > HD ? I : HD);
+    void *split_buf = (M > 8 && amx_on()) ? aligned_alloc(64, (amx_bytes(M, Kmax) + 63) / 64 * 64) : NULL;
+    if (M > 8 && amx_on() && !split_buf) return -2;
+#endif
 #pragma omp parallel
     {
+        const mp_amx_ctx *amx = NULL;
+#if AMX_ON
+        amx_scratch scratch = {NULL, NULL, NULL};
+        mp_amx_ctx amx_ctx = {split_buf, &scratch};
+        if (split_buf) {
+            if (!amx_scratch_alloc(&scratch, M < AMX_ROWS ? M : AMX_ROWS)) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            amx = &amx_ctx;
+        }
+#endif
         float *panel = (float *)aligned_alloc(64, sizeof(float) * 32 * QKC);
         const int64_t rows_max = M < QROWS ? M : QROWS; /* the GEMMs take a long step QROWS rows at a time */
         float *accs = (float *)aligned_alloc(64, sizeof(float) * 32 * ((rows_max + QM - 1) / QM) * QM);
@@ -157,7 +206,7 @@ int minipaged_decode_layers_f32(const mp_layer *layers, int64_t num_layers, cons
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) rmsnorm_row(st->x + m * C, NULL, ly->input_norm, st->h + m * C, C, st->eps);
             const mp_job qkv[3] = {{&ly->q, st->h, st->q}, {&ly->k, st->h, st->k}, {&ly->v, st->h, st->v}};
-            qlinear_jobs(qkv, 3, M, panel, accs);
+            qlinear_jobs(qkv, 3, M, panel, accs, amx);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
                 rope_row(st->q + m * HD, H, D, st->cos + m * D, st->sin + m * D);
@@ -170,16 +219,16 @@ int minipaged_decode_layers_f32(const mp_layer *layers, int64_t num_layers, cons
                 decode_one_seq(st->q, ly->k_cache, ly->v_cache, st->tables, st->bt_stride, st->lens, st->o, s, H, H_kv,
                                D, BS, st->num_blocks, st->max_blocks, st->scale, scores);
             const mp_job o_job[1] = {{&ly->o, st->o, st->a}};
-            qlinear_jobs(o_job, 1, M, panel, accs);
+            qlinear_jobs(o_job, 1, M, panel, accs, amx);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
                 rmsnorm_row(st->a + m * C, st->x + m * C, ly->post_norm, st->h + m * C, C, st->eps);
             const mp_job gate_up[2] = {{&ly->gate, st->h, st->g}, {&ly->up, st->h, st->u}};
-            qlinear_jobs(gate_up, 2, M, panel, accs);
+            qlinear_jobs(gate_up, 2, M, panel, accs, amx);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) silu_mul_row(st->g + m * I, st->u + m * I, st->g + m * I, I);
             const mp_job down[1] = {{&ly->down, st->g, st->a}};
-            qlinear_jobs(down, 1, M, panel, accs);
+            qlinear_jobs(down, 1, M, panel, accs, amx);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
                 float *xm = st->x + m * C;
@@ -191,6 +240,12 @@ int minipaged_decode_layers_f32(const mp_layer *layers, int64_t num_layers, cons
         free(panel);
         free(accs);
         free(scores);
+#if AMX_ON
+        amx_scratch_free(&scratch);
+#endif
     }
+#if AMX_ON
+    free(split_buf);
+#endif
     return failed ? -2 : 0;
 }

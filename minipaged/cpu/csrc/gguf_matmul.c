@@ -23,7 +23,8 @@
  * of x against it, with QM x 32 accumulators in registers. (Up to 8 rows of x the row layout's
  * minipaged_qmatvec_f32 below serves instead: it streams better.) A prefill's long batch goes
  * QROWS rows at a time, so that the rows every pair reads again stay near in cache; each row's
- * sums are the same whichever chunk and tile it falls in. */
+ * sums are the same whichever chunk and tile it falls in. On a CPU with AMX tiles the same work
+ * runs on them instead (qmatmul_amx, below the AVX-512 kernels). */
 #define QBLOCK 32
 #define QM 8       /* rows of x per tile: 8 x 2 accumulator registers */
 #define QKC 256    /* k per panel stretch: 256 x 32 floats = 32 KB, in L1 */
@@ -289,6 +290,286 @@ static int qmatmul_argmax_avx512(const float *x, int64_t x_stride, const uint8_t
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* ---- the lane kernel on AMX tiles (a CPU with AMX-BF16: Sapphire Rapids and later) ----------
+ *
+ * Where the CPU has AMX, every lane-layout product (more than 8 rows: the GEMMs, the head's
+ * argmax, the whole-step decode's linears) runs here instead of on the AVX-512 panel above.
+ * Each fp32 x is cut, by truncation, into three bf16 parts whose sum is x exactly (8 + 8 + 8
+ * significand bits), and each weight's integer q is exact in bf16, so every product q * part
+ * the tile unit makes is exact; it sums 32 of them (one GGUF block) in fp32 for 16 rows and 16
+ * outputs at a time. Each block's sums are then scaled by the block's d in fp32 (plus m times
+ * the block's sum of x, Q4_1): y = sum over blocks of d S + m X. That is the dot product over
+ * the fp32 weights regrouped by block, not rounded weight by weight: as accurate as an fp32
+ * matmul (more: d q + m is not rounded first), but not the same bits as the AVX-512 panel, so
+ * one process takes one kernel (MINIPAGED_AMX=0 or minipaged_set_amx(0) keeps the panel).
+ * Each row's sums are the same whichever chunk, tile or batch it falls in (rows past M are
+ * zero and never stored). */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ON 1
+#ifndef AMX_ROWS
+#define AMX_ROWS 64 /* rows of x per pass over the weights: their split (6 bytes a value) stays near */
+#endif
+static int mp_amx = -1; /* -1 not asked yet, 0 off, 1 on */
+
+static int amx_available(void) {
+    static int granted = -1; /* Linux hands out the tile state to a process that asks (ARCH_REQ_XCOMP_PERM) */
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return granted;
+}
+
+static int amx_on(void) {
+    if (mp_amx < 0) {
+        const char *e = getenv("MINIPAGED_AMX");
+        mp_amx = (e && e[0] == '0') ? 0 : amx_available();
+    }
+    return mp_amx;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+/* Every tile 16 rows x 64 bytes: C 16 x 16 fp32, A 16 rows x 32 bf16, B 16 pairs x 16 lanes. */
+static void amx_configure(void) {
+    amx_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* x split for the tiles: rows padded to 16, three bf16 planes (Mp, ld) and each block's sum of x.
+ * A plane's rows are ld = K + 32 values apart: K alone (1536 = 3 KB a row) would put a tile's 16
+ * rows in 4 of L1's 64 sets, and they would evict one another. */
+typedef struct {
+    uint16_t *h, *m, *l;
+    float *xs;
+    int64_t Mp, K, ld;
+} amx_x;
+
+static int64_t amx_rows(int64_t M) { return (M + 15) / 16 * 16; }
+static size_t amx_bytes(int64_t M, int64_t K) { return (size_t)amx_rows(M) * (K + 32) * 6 + sizeof(float) * amx_rows(M) * (K / QBLOCK) + 256; }
+
+static void amx_x_at(amx_x *s, void *buf, int64_t M, int64_t K) {
+    const int64_t Mp = amx_rows(M), ld = K + 32;
+    s->h = (uint16_t *)buf, s->m = s->h + Mp * ld, s->l = s->m + Mp * ld;
+    s->xs = (float *)(s->l + Mp * ld), s->Mp = Mp, s->K = K, s->ld = ld;
+}
+
+/* Row r of x (r >= M: zeros) into the planes: h = x's top 16 bits, m = the top 16 of what is
+ * left, l = the rest (at most 8 significant bits, so exact in bf16). */
+static void amx_split_row(const float *x, int64_t x_stride, int64_t M, int64_t r, amx_x *s) {
+    const int64_t K = s->K, nb = K / QBLOCK, ld = s->ld;
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k += 16) {
+            const __m512 v = r < M ? _mm512_loadu_ps(x + r * x_stride + k) : _mm512_setzero_ps();
+            const __m512i hi = _mm512_and_si512(_mm512_castps_si512(v), top);
+            const __m512 r1 = _mm512_sub_ps(v, _mm512_castsi512_ps(hi));
+            const __m512i mi = _mm512_and_si512(_mm512_castps_si512(r1), top);
+            const __m512i lo = _mm512_castps_si512(_mm512_sub_ps(r1, _mm512_castsi512_ps(mi)));
+            _mm256_storeu_si256((__m256i *)(s->h + r * ld + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(hi, 16)));
+            _mm256_storeu_si256((__m256i *)(s->m + r * ld + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(mi, 16)));
+            _mm256_storeu_si256((__m256i *)(s->l + r * ld + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(lo, 16)));
+            sum = _mm512_add_ps(sum, v);
+        }
+        s->xs[r * nb + b] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* Block b of group g as a B tile: row kk holds, for each of the 16 lanes, the pair
+ * (q at k = 32 b + 2 kk, q at k + 1) as two bf16 (Q4_0: minus its 8). */
+static inline void amx_btile(int kind, const uint8_t *qt, int64_t K, int64_t g, int64_t b, uint32_t *B) {
+    const __m512i m15 = _mm512_set1_epi32(15), top = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int kk = 0; kk < 16; kk++) {
+        __m512i lo, hi;
+        if (kind == 2) {
+            const uint8_t *p = qt + (g * K + b * QBLOCK + 2 * kk) * 16;
+            lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+            hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
+        } else {
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qt + (g * (K / 2) + b * 16 + kk) * 16)));
+            lo = _mm512_and_si512(v, m15);
+            hi = _mm512_srli_epi32(v, 4);
+            if (kind == 0) {
+                lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
+                hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
+            }
+        }
+        const __m512i fl = _mm512_castps_si512(_mm512_cvtepi32_ps(lo)), fh = _mm512_castps_si512(_mm512_cvtepi32_ps(hi));
+        _mm512_store_si512((__m512i *)(B + kk * 16), _mm512_or_si512(_mm512_srli_epi32(fl, 16), _mm512_and_si512(fh, top)));
+    }
+}
+
+/* acc rows += C tile rows * d (+ xs * m): one tile's block sums scaled into its 16 rows x 16 outputs */
+static inline void amx_scale(const float *C, float *acc, const float *xs, int64_t nb, int64_t b, __m512 d, __m512 m,
+                             int with_m) {
+    for (int r = 0; r < 16; r++) {
+        __m512 a = _mm512_fmadd_ps(_mm512_load_ps(C + r * 16), d, _mm512_load_ps(acc + r * 32));
+        if (with_m) a = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * nb + b]), m, a);
+        _mm512_store_ps(acc + r * 32, a);
+    }
+}
+
+/* Pair pr (outputs 32 pr .. 32 pr + 31) for the rows r0 .. r0 + rows - 1 of the split x (r0 a
+ * multiple of 16, rows padded up to 16): acc (rows padded, 32) = those rows' outputs.
+ * B: 2 KB, C: 4 KB, acc: 64-byte aligned. */
+static void amx_pair(const amx_x *s, int64_t r0, int64_t rows, const uint8_t *qt, const float *dt, const float *mt,
+                     int kind, int64_t N, int64_t pr, float *acc, uint32_t *B, float *C) {
+    const int64_t K = s->K, G = (N + 15) / 16, nb = K / QBLOCK, g = 2 * pr, ld = s->ld, st = ld * 2;
+    const int64_t R = (rows + 15) / 16 * 16;
+    const int two = g + 1 < G;
+    memset(acc, 0, sizeof(float) * R * 32);
+    amx_configure();
+    for (int64_t b = 0; b < nb; b++) {
+        amx_btile(kind, qt, K, g, b, B);
+        if (two)
+            amx_btile(kind, qt, K, g + 1, b, B + 256);
+        else
+            memset(B + 256, 0, 1024);
+        _tile_loadd(4, B, 64);
+        _tile_loadd(5, B + 256, 64);
+        const __m512 d0 = _mm512_loadu_ps(dt + (g * nb + b) * 16);
+        const __m512 d1 = two ? _mm512_loadu_ps(dt + ((g + 1) * nb + b) * 16) : _mm512_setzero_ps();
+        __m512 m0 = _mm512_setzero_ps(), m1 = m0;
+        if (kind == 1) {
+            m0 = _mm512_loadu_ps(mt + (g * nb + b) * 16);
+            if (two) m1 = _mm512_loadu_ps(mt + ((g + 1) * nb + b) * 16);
+        }
+        const int64_t o = b * QBLOCK;
+        int64_t t = 0;
+        for (; t + 32 <= R; t += 32) { /* two row tiles x two groups: four sums in flight */
+            const int64_t a0 = (r0 + t) * ld + o, a1 = a0 + 16 * ld;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            _tile_loadd(6, s->h + a0, st); _tile_loadd(7, s->h + a1, st);
+            _tile_dpbf16ps(0, 6, 4); _tile_dpbf16ps(1, 6, 5); _tile_dpbf16ps(2, 7, 4); _tile_dpbf16ps(3, 7, 5);
+            _tile_loadd(6, s->m + a0, st); _tile_loadd(7, s->m + a1, st);
+            _tile_dpbf16ps(0, 6, 4); _tile_dpbf16ps(1, 6, 5); _tile_dpbf16ps(2, 7, 4); _tile_dpbf16ps(3, 7, 5);
+            _tile_loadd(6, s->l + a0, st); _tile_loadd(7, s->l + a1, st);
+            _tile_dpbf16ps(0, 6, 4); _tile_dpbf16ps(1, 6, 5); _tile_dpbf16ps(2, 7, 4); _tile_dpbf16ps(3, 7, 5);
+            _tile_stored(0, C, 64); _tile_stored(1, C + 256, 64); _tile_stored(2, C + 512, 64); _tile_stored(3, C + 768, 64);
+            const float *xs = s->xs + (r0 + t) * nb;
+            amx_scale(C, acc + t * 32, xs, nb, b, d0, m0, kind == 1);
+            amx_scale(C + 256, acc + t * 32 + 16, xs, nb, b, d1, m1, kind == 1);
+            amx_scale(C + 512, acc + (t + 16) * 32, xs + 16 * nb, nb, b, d0, m0, kind == 1);
+            amx_scale(C + 768, acc + (t + 16) * 32 + 16, xs + 16 * nb, nb, b, d1, m1, kind == 1);
+        }
+        if (t < R) { /* one row tile left */
+            const int64_t a0 = (r0 + t) * ld + o;
+            _tile_zero(0); _tile_zero(1);
+            _tile_loadd(6, s->h + a0, st); _tile_dpbf16ps(0, 6, 4); _tile_dpbf16ps(1, 6, 5);
+            _tile_loadd(7, s->m + a0, st); _tile_dpbf16ps(0, 7, 4); _tile_dpbf16ps(1, 7, 5);
+            _tile_loadd(6, s->l + a0, st); _tile_dpbf16ps(0, 6, 4); _tile_dpbf16ps(1, 6, 5);
+            _tile_stored(0, C, 64); _tile_stored(1, C + 256, 64);
+            const float *xs = s->xs + (r0 + t) * nb;
+            amx_scale(C, acc + t * 32, xs, nb, b, d0, m0, kind == 1);
+            amx_scale(C + 256, acc + t * 32 + 16, xs, nb, b, d1, m1, kind == 1);
+        }
+    }
+    _tile_release();
+}
+
+/* The pair's finished outputs: stored into y's rows r0 .., or (best/at) each row's argmax kept. */
+static void amx_finish(const float *acc, int64_t r0, int64_t rows, int64_t N, int64_t pr, float *y, float *best,
+                       int64_t *at) {
+    for (int64_t t = 0; t < rows; t += QM) {
+        const int n = (int)(rows - t < QM ? rows - t : QM);
+        __m512 a[QM][2];
+        for (int r = 0; r < n; r++) a[r][0] = _mm512_load_ps(acc + (t + r) * 32), a[r][1] = _mm512_load_ps(acc + (t + r) * 32 + 16);
+        if (at)
+            q_argmax(best, at, N, r0 + t, n, pr * 32, a);
+        else
+            q_store(y, N, r0 + t, n, pr * 32, a);
+    }
+}
+
+/* Per-thread scratch of the AMX kernel for chunks of at most `rows` rows. */
+typedef struct {
+    float *acc, *C;
+    uint32_t *B;
+} amx_scratch;
+
+static int amx_scratch_alloc(amx_scratch *w, int64_t rows) {
+    w->acc = (float *)aligned_alloc(64, sizeof(float) * 32 * amx_rows(rows));
+    w->C = (float *)aligned_alloc(64, 4096);
+    w->B = (uint32_t *)aligned_alloc(64, 2048);
+    return w->acc && w->C && w->B;
+}
+
+static void amx_scratch_free(amx_scratch *w) { free(w->acc), free(w->C), free(w->B); }
+
+/* y = x @ W^T (best/at NULL) or each row's argmax, on the tiles; QROWS rows at a time. */
+static int qmatmul_amx(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt, int kind,
+                       float *y, int64_t M, int64_t N, int64_t K, float *best, int64_t *at) {
+    const int64_t G = (N + 15) / 16, pairs = (G + 1) / 2;
+    void *buf = aligned_alloc(64, (amx_bytes(M, K) + 63) / 64 * 64);
+    if (!buf) return -2;
+    amx_x s;
+    amx_x_at(&s, buf, M, K);
+    int bad = 0;
+#pragma omp parallel reduction(| : bad)
+    {
+        amx_scratch w;
+        float *mine = at ? (float *)malloc(sizeof(float) * M) : NULL;
+        int64_t *mine_at = at ? (int64_t *)malloc(sizeof(int64_t) * M) : NULL;
+        const int ok = amx_scratch_alloc(&w, M < AMX_ROWS ? M : AMX_ROWS) && (!at || (mine && mine_at));
+        if (!ok) bad = 1;
+        if (mine_at)
+            for (int64_t m = 0; m < M; m++) mine_at[m] = -1;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < s.Mp; r++) amx_split_row(x, x_stride, M, r, &s);
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+            const int64_t mc = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+#pragma omp for schedule(static)
+            for (int64_t pr = 0; pr < pairs; pr++)
+                if (ok) {
+                    amx_pair(&s, m0, mc, qt, dt, mt, kind, N, pr, w.acc, w.B, w.C);
+                    amx_finish(w.acc, m0, mc, N, pr, y, mine, mine_at);
+                }
+        }
+        if (at) {
+#pragma omp critical
+            if (ok)
+                for (int64_t m = 0; m < M; m++) { /* the larger wins; on a tie, the earlier position */
+                    if (mine_at[m] == -1 || at[m] == -2) continue;
+                    if (mine_at[m] == -2 || at[m] == -1 || mine[m] > best[m] ||
+                        (mine[m] == best[m] && mine_at[m] < at[m])) {
+                        best[m] = mine[m];
+                        at[m] = mine_at[m];
+                    }
+                }
+        }
+        free(mine);
+        free(mine_at);
+        amx_scratch_free(&w);
+    }
+    free(buf);
+    return bad ? -2 : 0;
+}
+#else
+#define AMX_ON 0
+static int amx_on(void) { return 0; }
+static int amx_available(void) { return 0; }
+static int mp_amx = 0;
+#endif
+
+/* 1 when the lane kernel runs on AMX tiles in this process (see above), else 0. */
+int minipaged_qmatmul_amx(void) { return amx_on(); }
+
+/* Turn the AMX kernel on (1) or off (0) for this process; returns the previous state, or -1
+ * when it cannot be turned on here (no AMX in this build or CPU). */
+int minipaged_set_amx(int on) {
+    const int was = amx_on();
+    if (on && !amx_available()) return -1;
+    mp_amx = on ? 1 : 0;
+    return was;
+}
+
 #if defined(__AVX512F__)
 /* The row layout (the file's own: row n's blocks in turn, GGML's nibble order, fp32 scales
  * rd/rm (N, K/32)), for at most 8 rows of x: one weight row at a time, its 32 weights per block
@@ -397,6 +678,19 @@ int minipaged_qmatmul_fast(void) {
 int minipaged_qmatmul_argmax_f32(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt,
                                  const float *mt, int64_t kind, int64_t M, int64_t N, int64_t K, int64_t *at) {
     if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !mt) || M < 1 || N < 1) return -1;
+#if AMX_ON
+    if (amx_on()) {
+        float *best = (float *)malloc(sizeof(float) * M);
+        if (!best) return -2;
+        for (int64_t m = 0; m < M; m++) at[m] = -1;
+        const int rc = qmatmul_amx(x, x_stride, qt, dt, mt, (int)kind, NULL, M, N, K, best, at);
+        free(best);
+        if (rc) return rc;
+        for (int64_t m = 0; m < M; m++)
+            if (at[m] < 0) return -3;
+        return 0;
+    }
+#endif
 #if defined(__AVX512F__)
     return qmatmul_argmax_avx512(x, x_stride, qt, dt, mt, (int)kind, M, N, K, at);
 #else
@@ -408,6 +702,9 @@ int minipaged_qmatmul_argmax_f32(const float *x, int64_t x_stride, const uint8_t
 int minipaged_qmatmul_f32(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
                           int64_t kind, float *y, int64_t M, int64_t N, int64_t K) {
     if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !mt)) return -1;
+#if AMX_ON
+    if (amx_on()) return qmatmul_amx(x, x_stride, qt, dt, mt, (int)kind, y, M, N, K, NULL, NULL);
+#endif
 #if defined(__AVX512F__)
     return qmatmul_avx512(x, x_stride, qt, dt, mt, (int)kind, y, M, N, K);
 #else
