@@ -87,6 +87,19 @@ def test_a_skipped_system_gives_no_ratio_and_no_verdict():
                     "llama.cpp reads 100 MB of quantized weights: at most 200 tok/s"), line
 
 
+def test_on_amx_tiles_the_summary_says_the_fp32_ceiling_does_not_bound_minipaged():
+    res = _res(mp=500.0)
+    res.update(ratios=speed.ratios(res), workload={"description": "test"})
+    res["ceiling"]["gemm_gflops"] = 1.0
+    for name in res["systems"]:
+        res["systems"][name].update(output_tokens=1, seconds=1.0)
+    note = "its GGUF matmul ran on AMX tiles"
+    for kernel, shown in (("AMX tiles", True), ("AVX-512", False), (None, False)):
+        res["machine"] = {"gguf_matmul": kernel}
+        assert (note in speed.format_summary(res)) is shown, kernel
+    assert speed.gguf_kernel() in ("AMX tiles", "AVX-512", "portable loop", "none")
+
+
 def test_the_gguf_matmul_gain_is_minipaged_over_its_fp32_run():
     res = {"systems": {"minipaged": {"output_tokens_per_s": 600.0}, "minipaged_fp32": {"output_tokens_per_s": 480.0}},
            "ceiling": {"tokens_per_s": 1000.0}}

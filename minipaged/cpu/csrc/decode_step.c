@@ -171,7 +171,7 @@ int minipaged_decode_layers_f32(const mp_layer *layers, int64_t num_layers, cons
 #if AMX_ON
     /* the AMX kernel's split of each linear's x: room for the widest (C, H D or I) */
     const int64_t Kmax = C > I ? (C > HD ? C : HD) : (I > HD ? I : HD);
-    void *split_buf = (M > 8 && amx_on()) ? aligned_alloc(64, (amx_bytes(M, Kmax) + 63) / 64 * 64) : NULL;
+    void *split_buf = (M > 8 && amx_on()) ? amx_buffer(amx_bytes(M, Kmax)) : NULL;
     if (M > 8 && amx_on() && !split_buf) return -2;
 #endif
 #pragma omp parallel
@@ -244,8 +244,5 @@ int minipaged_decode_layers_f32(const mp_layer *layers, int64_t num_layers, cons
         amx_scratch_free(&scratch);
 #endif
     }
-#if AMX_ON
-    free(split_buf);
-#endif
     return failed ? -2 : 0;
 }

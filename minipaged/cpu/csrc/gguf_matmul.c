@@ -352,6 +352,20 @@ typedef struct {
 } amx_x;
 
 static int64_t amx_rows(int64_t M) { return (M + 15) / 16 * 16; }
+
+/* The split's memory, kept by each calling thread and grown as needed: a fresh allocation of a
+ * prefill's split (hundreds of KB: mapped and faulted in anew each time) cost more than the split. */
+static void *amx_buffer(size_t bytes) {
+    static __thread void *buf = NULL;
+    static __thread size_t cap = 0;
+    if (bytes > cap) {
+        free(buf);
+        cap = (bytes + 65535) / 65536 * 65536;
+        buf = aligned_alloc(64, cap);
+        if (!buf) cap = 0;
+    }
+    return buf;
+}
 static size_t amx_bytes(int64_t M, int64_t K) { return (size_t)amx_rows(M) * (K + 32) * 6 + sizeof(float) * amx_rows(M) * (K / QBLOCK) + 256; }
 
 static void amx_x_at(amx_x *s, void *buf, int64_t M, int64_t K) {
@@ -507,7 +521,7 @@ static void amx_scratch_free(amx_scratch *w) { free(w->acc), free(w->C), free(w-
 static int qmatmul_amx(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt, int kind,
                        float *y, int64_t M, int64_t N, int64_t K, float *best, int64_t *at) {
     const int64_t G = (N + 15) / 16, pairs = (G + 1) / 2;
-    void *buf = aligned_alloc(64, (amx_bytes(M, K) + 63) / 64 * 64);
+    void *buf = amx_buffer(amx_bytes(M, K));
     if (!buf) return -2;
     amx_x s;
     amx_x_at(&s, buf, M, K);
@@ -548,7 +562,6 @@ static int qmatmul_amx(const float *x, int64_t x_stride, const uint8_t *qt, cons
         free(mine_at);
         amx_scratch_free(&w);
     }
-    free(buf);
     return bad ? -2 : 0;
 }
 #else
