@@ -13,7 +13,7 @@ import time
 DEMO_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a haiku about the sea.",
-    "Give me three tips for learning to cook.",
+    "Give me three tips for learning to cook, one sentence each.",
     "Explain what a CPU cache is to a ten-year-old.",
     "What is 12 times 7?",
     "Name three planets in our solar system.",
