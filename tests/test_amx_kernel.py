@@ -58,7 +58,7 @@ def _cpu_has_amx() -> bool:
 @pytest.mark.skipif(build.library() is None, reason="no CPU kernels here")
 def test_it_is_on_where_the_cpu_has_it_and_the_announcement_says_so():
     native = "-march=native" in build.info().get("flags", "")
-    if os.environ.get("MINIPAGED_AMX") == "0":
+    if os.environ.get("MINIPAGED_AMX", "").lower() in ("0", "false", "off", "no"):
         assert not kernels.qmatmul_amx()
     elif _cpu_has_amx() and native and kernels.qmatmul_fast():
         assert kernels.qmatmul_amx(), "this CPU has AMX-BF16 and the build is native, but the tile kernel is off"
@@ -72,7 +72,8 @@ def test_it_is_on_where_the_cpu_has_it_and_the_announcement_says_so():
 @needs_amx
 def test_minipaged_amx_0_keeps_the_avx512_panel():
     code = ("from minipaged.cpu import kernels, build; print(kernels.qmatmul_amx(), 'AMX tiles' in build.announcement())")
-    for value, want in (("0", "False False"), ("1", "True True")):
+    for value, want in (("0", "False False"), ("OFF", "False False"), ("false", "False False"), ("1", "True True"),
+                        ("", "True True")):
         out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, MINIPAGED_AMX=value),
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr

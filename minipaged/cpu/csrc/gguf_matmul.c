@@ -319,11 +319,21 @@ static int amx_available(void) {
     return granted;
 }
 
-static int amx_on(void) {
-    if (mp_amx < 0) {
-        const char *e = getenv("MINIPAGED_AMX");
-        mp_amx = (e && e[0] == '0') ? 0 : amx_available();
+/* MINIPAGED_AMX=0 (or false, off, no: any case) keeps the AVX-512 kernel; unset or anything else: on where it can be. */
+static int amx_env_off(void) {
+    const char *e = getenv("MINIPAGED_AMX");
+    if (!e) return 0;
+    static const char *const off[] = {"0", "false", "off", "no"};
+    for (int i = 0; i < 4; i++) {
+        const char *a = e, *b = off[i];
+        while (*a && *b && (*a | 32) == *b) a++, b++;
+        if (!*a && !*b) return 1;
     }
+    return 0;
+}
+
+static int amx_on(void) {
+    if (mp_amx < 0) mp_amx = amx_env_off() ? 0 : amx_available();
     return mp_amx;
 }
 
