@@ -91,7 +91,12 @@ def machine_route() -> str:
     cap = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if "AVX512" in str(cap).upper():
-        fast = "the GGUF file's 4-bit blocks and whole-step decode (AVX-512)"
+        try:
+            with open("/proc/cpuinfo") as f:
+                amx = " amx_bf16" in f.read()
+        except OSError:
+            amx = False
+        fast = f"the GGUF file's 4-bit blocks and whole-step decode (AVX-512{', AMX tiles' if amx else ''})"
     else:
         fast = "fp32 weights with the C attention and fused kernels where a C compiler is found (no AVX-512: the 4-bit matmul is refused)"
     return (f"CPU, {cores} core(s), {cap}: a default LLM() runs {fast}; the lessons that teach batching "
