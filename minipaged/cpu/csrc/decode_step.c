@@ -99,8 +99,9 @@ static inline void qlinear_unit(const mp_job *j, int64_t M, int64_t u, float *pa
 }
 
 /* Inside a parallel region: every job's y = x @ W^T (+ bias), the jobs' units split over the team,
- * QROWS rows of x at a time (a prefill's long step: the rows every unit reads stay in cache, as in
- * qmatmul_avx512; each row's sums are the same whichever chunk it falls in). */
+ * QROWS rows of x at a time (AMX_ROWS on the tiles, after the team splits x once for all the jobs:
+ * a prefill's long step, so the rows every unit reads stay in cache, as in qmatmul_avx512 and
+ * qmatmul_amx; each row's sums are the same whichever chunk it falls in). */
 static void qlinear_jobs(const mp_job *jobs, int nj, int64_t M, float *panel, float *accs, const mp_amx_ctx *amx) {
     int64_t total = 0;
     for (int j = 0; j < nj; j++) total += qlinear_units(jobs[j].w, M);
