@@ -106,7 +106,9 @@ def _info(args: argparse.Namespace) -> int:
     else:
         print(f"CPU kernels (minipaged/cpu): {cinfo['compiler']} {cinfo['flags']}; OpenMP "
               f"{'on' if cinfo['openmp'] else 'OFF (one core: the plan keeps PyTorch unless c_kernels=True)'}; "
-              f"GGUF matmul {('AVX-512 + AMX tiles past 8 rows (MINIPAGED_AMX=0: AVX-512 only)' if cinfo.get('amx') else 'AVX-512') if cinfo['avx512'] else 'portable loop only (the plan refuses it unless gguf_blocks=True)'}")
+              "GGUF matmul " + {"AMX tiles": "AVX-512 + AMX tiles past 8 rows (MINIPAGED_AMX=0: AVX-512 only)",
+                                "AVX-512": "AVX-512"}.get(build.gguf_matmul_kernel(),
+                                                          "portable loop only (the plan refuses it unless gguf_blocks=True)"))
     print("MKL packed weights (packed_gemm): " + ("available" if mkl_packing_available() else "not in this PyTorch"))
     print("Which fast path an engine takes is its plan: print(LLM().engine.plan); LLM(fast_paths=False) is the plain route.")
     try:

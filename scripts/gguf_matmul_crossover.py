@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = sorted({b.kind for b in blocks.values()})
     lines = [f"{len(layers)} linear layers with GGUF blocks ({', '.join(kinds)}); "
              f"fp32 1024^3 matmul: {gemm:.0f} GFLOP/s; GGUF matmul: "
-             f"{'AMX tiles (AVX-512 up to 8 rows)' if kernels.qmatmul_amx() else 'AVX-512' if kernels.qmatmul_fast() else 'the portable loop'}", "",
+             f"{build.gguf_matmul_kernel()}", "",
              "| rows | GGUF matmul, whole step | MKL on fp32, whole step | GGUF / MKL | GGUF / MKL, body only "
              "| GGUF, one layer in a loop |",
              "|---|---|---|---|---|---|"]

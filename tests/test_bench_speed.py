@@ -97,7 +97,7 @@ def test_on_amx_tiles_the_summary_says_the_fp32_ceiling_does_not_bound_minipaged
     for kernel, shown in (("AMX tiles", True), ("AVX-512", False), (None, False)):
         res["machine"] = {"gguf_matmul": kernel}
         assert (note in speed.format_summary(res)) is shown, kernel
-    assert speed.gguf_kernel() in ("AMX tiles", "AVX-512", "portable loop", "none")
+    assert speed.gguf_matmul_kernel() in ("AMX tiles", "AVX-512", "portable loop", "none")
 
 
 def test_the_gguf_matmul_gain_is_minipaged_over_its_fp32_run():

@@ -28,21 +28,13 @@ from typing import Any
 
 import torch
 
+from ..cpu.build import gguf_matmul_kernel
 from ..sampling import SamplingParams
 from . import save_run
 from .commands import add_threads_argument, apply_threads
 from .workloads import Request, Workload, chat_prompt_ids
 
 GOALS = {"x_transformers": 2.0, "fraction_of_ceiling": 0.60, "llama_cpp_batch1_slowdown_max": 1.5}
-
-
-def gguf_kernel() -> str:
-    """Which GGUF matmul this machine runs: "AMX tiles", "AVX-512", "portable loop" or "none"."""
-    from ..cpu import build, kernels
-
-    if build.library() is None:
-        return "none"
-    return "AMX tiles" if kernels.qmatmul_amx() else "AVX-512" if kernels.qmatmul_fast() else "portable loop"
 
 
 # -- the ceiling ------------------------------------------------------------------------------
@@ -218,7 +210,7 @@ def run_speed(num_requests: int = 64, max_tokens: int = 64, batch_size: int = 64
     res: dict = {
         "workload": wl.summary(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "gguf_matmul": gguf_kernel()},
+                    "threads": torch.get_num_threads(), "gguf_matmul": gguf_matmul_kernel()},
         "model": {"name": model.config.name, "load_seconds": load_s, "weights": model_weights(model), "dtype": "float32"},
         "goals": dict(GOALS),
         "systems": {},

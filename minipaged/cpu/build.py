@@ -155,7 +155,7 @@ def _build() -> tuple[ctypes.CDLL, dict]:
             continue
         return lib, {"compiler": compiler, "flags": " ".join(flags), "path": target.name, "built_now": built,
                      "build_seconds": time.perf_counter() - t0 if built else 0.0,
-                     "openmp": bool(lib.minipaged_openmp()), "avx512": bool(lib.minipaged_qmatmul_fast()), "amx": bool(lib.minipaged_qmatmul_amx()),
+                     "openmp": bool(lib.minipaged_openmp()), "avx512": bool(lib.minipaged_qmatmul_fast()),
                      "failed_flag_sets": errors}
     raise RuntimeError("the C compiler failed: " + "; ".join(errors))
 
@@ -181,8 +181,20 @@ def announcement() -> str:
     if i.get("why_not"):
         return f"minipaged: CPU kernels not built ({i['why_not']}); every route stays on PyTorch"
     how = f"built in {i['build_seconds']:.1f} s" if i["built_now"] else "loaded from the build cache"
+    kernel = {"AMX tiles": "AVX-512 + AMX tiles", "portable loop": "portable loop only"}.get(gguf_matmul_kernel(), "AVX-512")
     return (f"minipaged: CPU kernels {how} ({i['compiler']} {i['flags']}; OpenMP {'on' if i['openmp'] else 'OFF: one core'}; "
-            f"GGUF matmul {('AVX-512 + AMX tiles' if i.get('amx') else 'AVX-512') if i['avx512'] else 'portable loop only'})")
+            f"GGUF matmul {kernel})")
+
+
+def gguf_matmul_kernel() -> str:
+    """Which kernel the GGUF matmul runs in this process now: "AMX tiles" (past 8 rows; see
+    csrc/gguf_matmul.c), "AVX-512", "portable loop" (exact, far too slow to serve with) or "none"
+    (no kernels built). The one place that tells them apart for the build line, ``minipaged info``
+    and the benches."""
+    lib = library()
+    if lib is None:
+        return "none"
+    return "AMX tiles" if lib.minipaged_qmatmul_amx() else "AVX-512" if lib.minipaged_qmatmul_fast() else "portable loop"
 
 
 def show_notices(stream=None) -> None:

@@ -244,17 +244,27 @@ static int qmatmul_avx512(const float *x, int64_t x_stride, const uint8_t *qt, c
     return bad ? -2 : 0;
 }
 
+/* Fold one thread's argmaxes (mine, mine_at) into the team's (best, at), inside a critical section:
+ * the larger wins; on a tie, the earlier position; a row with a NaN (-2) stays so. */
+static void q_argmax_merge(float *best, int64_t *at, const float *mine, const int64_t *mine_at, int64_t M) {
+    for (int64_t m = 0; m < M; m++) {
+        if (mine_at[m] == -1 || at[m] == -2) continue;
+        if (mine_at[m] == -2 || at[m] == -1 || mine[m] > best[m] || (mine[m] == best[m] && mine_at[m] < at[m])) {
+            best[m] = mine[m];
+            at[m] = mine_at[m];
+        }
+    }
+}
+
 /* at[r] = argmax over n of (x @ W^T)[r, n], the first position of the largest, without writing
  * the product (greedy sampling from the LM head: at batch 64 its logits are 12 MB a step).
- * The same accumulators as qmatmul_avx512, so the same values. Returns -3 when a row holds a
- * NaN (the caller computes the logits and asks PyTorch), -2 out of memory. */
+ * The same accumulators as qmatmul_avx512, so the same values; each row's largest so far is
+ * folded into best/at (at[r] = -1 before: minipaged_qmatmul_argmax_f32 sets them and reads a
+ * NaN's -2 out). Returns -2 when out of memory. */
 static int qmatmul_argmax_avx512(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt,
-                                 int kind, int64_t M, int64_t N, int64_t K, int64_t *at) {
+                                 int kind, int64_t M, int64_t N, int64_t K, float *best, int64_t *at) {
     const int64_t G = (N + 15) / 16, pairs = (G + 1) / 2;
     int bad = 0;
-    for (int64_t m = 0; m < M; m++) at[m] = -1;
-    float *best = (float *)malloc(sizeof(float) * M);
-    if (!best) return -2;
 #pragma omp parallel reduction(| : bad)
     {
         float *panel = (float *)aligned_alloc(64, sizeof(float) * 32 * QKC);
@@ -269,24 +279,13 @@ static int qmatmul_argmax_avx512(const float *x, int64_t x_stride, const uint8_t
             if (panel && accs && mine && mine_at)
                 qlane_pair(x, x_stride, qt, dt, mt, kind, NULL, M, N, K, pr, panel, accs, mine, mine_at);
 #pragma omp critical
-        if (mine && mine_at)
-            for (int64_t m = 0; m < M; m++) { /* the larger wins; on a tie, the earlier position */
-                if (mine_at[m] == -1 || at[m] == -2) continue;
-                if (mine_at[m] == -2 || at[m] == -1 || mine[m] > best[m] || (mine[m] == best[m] && mine_at[m] < at[m])) {
-                    best[m] = mine[m];
-                    at[m] = mine_at[m];
-                }
-            }
+        if (mine && mine_at) q_argmax_merge(best, at, mine, mine_at, M);
         free(panel);
         free(accs);
         free(mine);
         free(mine_at);
     }
-    free(best);
-    if (bad) return -2;
-    for (int64_t m = 0; m < M; m++)
-        if (at[m] < 0) return -3;
-    return 0;
+    return bad ? -2 : 0;
 }
 #endif
 
@@ -527,7 +526,8 @@ static int amx_scratch_alloc(amx_scratch *w, int64_t rows) {
 
 static void amx_scratch_free(amx_scratch *w) { free(w->acc), free(w->C), free(w->B); }
 
-/* y = x @ W^T (best/at NULL) or each row's argmax, on the tiles; QROWS rows at a time. */
+/* y = x @ W^T (best/at NULL) or each row's argmax folded into best/at, on the tiles; AMX_ROWS rows
+ * at a time after the team splits x once. */
 static int qmatmul_amx(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt, const float *mt, int kind,
                        float *y, int64_t M, int64_t N, int64_t K, float *best, int64_t *at) {
     const int64_t G = (N + 15) / 16, pairs = (G + 1) / 2;
@@ -558,15 +558,7 @@ static int qmatmul_amx(const float *x, int64_t x_stride, const uint8_t *qt, cons
         }
         if (at) {
 #pragma omp critical
-            if (ok)
-                for (int64_t m = 0; m < M; m++) { /* the larger wins; on a tie, the earlier position */
-                    if (mine_at[m] == -1 || at[m] == -2) continue;
-                    if (mine_at[m] == -2 || at[m] == -1 || mine[m] > best[m] ||
-                        (mine[m] == best[m] && mine_at[m] < at[m])) {
-                        best[m] = mine[m];
-                        at[m] = mine_at[m];
-                    }
-                }
+            if (ok) q_argmax_merge(best, at, mine, mine_at, M);
         }
         free(mine);
         free(mine_at);
@@ -701,21 +693,22 @@ int minipaged_qmatmul_fast(void) {
 int minipaged_qmatmul_argmax_f32(const float *x, int64_t x_stride, const uint8_t *qt, const float *dt,
                                  const float *mt, int64_t kind, int64_t M, int64_t N, int64_t K, int64_t *at) {
     if (K % QBLOCK || kind < 0 || kind > 2 || (kind == 1 && !mt) || M < 1 || N < 1) return -1;
-#if AMX_ON
-    if (amx_on()) {
-        float *best = (float *)malloc(sizeof(float) * M);
-        if (!best) return -2;
-        for (int64_t m = 0; m < M; m++) at[m] = -1;
-        const int rc = qmatmul_amx(x, x_stride, qt, dt, mt, (int)kind, NULL, M, N, K, best, at);
-        free(best);
-        if (rc) return rc;
-        for (int64_t m = 0; m < M; m++)
-            if (at[m] < 0) return -3;
-        return 0;
-    }
-#endif
 #if defined(__AVX512F__)
-    return qmatmul_argmax_avx512(x, x_stride, qt, dt, mt, (int)kind, M, N, K, at);
+    float *best = (float *)malloc(sizeof(float) * M);
+    if (!best) return -2;
+    for (int64_t m = 0; m < M; m++) at[m] = -1;
+    int rc;
+#if AMX_ON
+    if (amx_on())
+        rc = qmatmul_amx(x, x_stride, qt, dt, mt, (int)kind, NULL, M, N, K, best, at);
+    else
+#endif
+        rc = qmatmul_argmax_avx512(x, x_stride, qt, dt, mt, (int)kind, M, N, K, best, at);
+    free(best);
+    if (rc) return rc;
+    for (int64_t m = 0; m < M; m++)
+        if (at[m] < 0) return -3;
+    return 0;
 #else
     (void)x, (void)x_stride, (void)qt, (void)dt, (void)at;
     return -4; /* no fast kernel here: the caller computes the logits */
